@@ -1,0 +1,43 @@
+# kpx: two commands on a fresh machine, `make run` and `make test`.
+SHELL := /bin/bash
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+KPX   := $(VENV)/bin/kpx
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint down bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	bash .ci/system-deps
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(KPX) lab up
+	$(KPX) demo
+	$(KPX) lab status
+	@echo
+	@echo "The default lab is up. Try:  $(KPX) lab exec client -- curl -s http://\$$($(KPX) lab lb-address)/"
+	@echo "Remove it with:              make down"
+
+down: $(STAMP)
+	$(KPX) lab down
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check proxy healthz lab bench tests
+
+bench: $(STAMP)
+	$(KPX) bench
+
+bench-quick: $(STAMP)
+	$(KPX) bench --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,155 @@
+"""Endpoint resolution and categorization: kube-proxy's ``topology.go`` in Python.
+
+Owns: turning a Service port plus its EndpointSlices into the endpoint lists a
+proxy may use (``categorize_endpoints``), and the per-Service count of local
+ready endpoints that the healthCheckNodePort server reports.
+
+Never: do I/O, hold state between calls, or know about sockets. Every function
+here is a pure function of immutable inputs.
+
+Rules (KEP-1669, ``CategorizeEndpoints``):
+
+- Locality is ``endpoint.nodeName == this node``; IPs are never compared.
+- Cluster endpoints are all ready endpoints; only when *no* endpoint is ready
+  anywhere do serving-and-terminating endpoints stand in for them.
+- Local endpoints are local ready endpoints, else local serving-and-terminating
+  ones. That fallback is decided on its own, even while ready endpoints exist
+  on other nodes: a draining node keeps serving its own clients.
+- ``has_any`` says whether a usable endpoint exists anywhere. It is the line
+  between REJECT (nothing anywhere) and DROP (nothing here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from proxy.model import Service, ServicePort, Snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointInfo:
+    """A usable ``ip:port`` of one service port, with its conditions resolved."""
+
+    ip: str
+    port: int
+    node_name: str | None
+    is_local: bool
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    pod_name: str | None = None
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (self.ip, self.port)
+
+    def __str__(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Categorized:
+    """What ``CategorizeEndpoints`` returns for one service port.
+
+    ``cluster`` is what eTP=Cluster (and node-originated traffic) may use;
+    ``local`` is what eTP=Local may use for external clients; ``has_any`` is
+    true when some usable endpoint exists anywhere in the cluster.
+    """
+
+    cluster: tuple[EndpointInfo, ...]
+    local: tuple[EndpointInfo, ...]
+    has_any: bool
+
+
+def _is_serving_terminating(ep: EndpointInfo) -> bool:
+    return ep.serving and ep.terminating
+
+
+def _filter(
+    eps: Iterable[EndpointInfo], pred: Callable[[EndpointInfo], bool]
+) -> tuple[EndpointInfo, ...]:
+    return tuple(ep for ep in eps if pred(ep))
+
+
+def service_port_endpoints(
+    snapshot: Snapshot, service: Service, port: ServicePort, node_name: str
+) -> tuple[EndpointInfo, ...]:
+    """All endpoints of one service port, deduplicated by ``ip:port``.
+
+    A slice port matches the service port by name (both empty for a
+    single-port service) and protocol. When slices disagree about one
+    ``ip:port`` the non-terminating copy wins, as in EndpointSliceCache.
+    """
+    found: dict[tuple[str, int], EndpointInfo] = {}
+    for sl in snapshot.slices_for(service):
+        for sp in sl.ports:
+            if sp.name != port.name or sp.protocol != port.protocol or sp.port == 0:
+                continue
+            for ep in sl.endpoints:
+                info = EndpointInfo(
+                    ip=ep.address,
+                    port=sp.port,
+                    node_name=ep.node_name,
+                    is_local=bool(node_name) and ep.node_name == node_name,
+                    ready=ep.ready,
+                    serving=ep.serving,
+                    terminating=ep.terminating,
+                    pod_name=ep.pod_name,
+                )
+                key = info.addr
+                if key not in found or not info.terminating:
+                    found[key] = info
+    # Sorted so that round-robin order does not depend on slice order.
+    return tuple(sorted(found.values(), key=lambda e: (e.ip, e.port)))
+
+
+def categorize_endpoints(
+    endpoints: Iterable[EndpointInfo], service: Service
+) -> Categorized:
+    """Split endpoints into the Cluster and Local sets, as kube-proxy does.
+
+    kpx only proxies NodePorts, so every service it categorizes is externally
+    accessible: it always uses Cluster endpoints (node-originated traffic
+    short-circuits to them even under eTP=Local) and uses Local endpoints iff
+    eTP=Local.
+    """
+    eps = tuple(endpoints)
+    cluster = _filter(eps, lambda e: e.ready)
+    if not cluster:
+        # No ready endpoint anywhere: only then may terminating ones serve.
+        cluster = _filter(eps, _is_serving_terminating)
+    has_any = bool(cluster)
+    if not service.external_policy_local:
+        return Categorized(cluster=cluster, local=(), has_any=has_any)
+
+    local = _filter(eps, lambda e: e.is_local and e.ready)
+    if not local:
+        local = _filter(eps, lambda e: e.is_local and _is_serving_terminating(e))
+    # If any ready endpoint exists, ``cluster`` already holds it; if only
+    # terminating ones exist, ``cluster`` fell back to them. Either way
+    # ``has_any`` is already right and needs no second pass.
+    return Categorized(cluster=cluster, local=local, has_any=has_any)
+
+
+def local_ready_counts(snapshot: Snapshot, node_name: str) -> Mapping[str, int]:
+    """Unique local *ready* endpoint IPs per Service (all ports merged).
+
+    This is the ``localEndpoints`` of the healthCheckNodePort answer.
+    Terminating endpoints may still carry traffic but never count here, so a
+    node that is only draining fails its health check and the LB moves on.
+    Every health-checked service is present, with 0 when it has nothing here.
+    """
+    counts: dict[str, int] = {}
+    for svc in snapshot.services:
+        if not svc.needs_health_check:
+            continue
+        ips = {
+            ep.address
+            for sl in snapshot.slices_for(svc)
+            if sl.ports
+            for ep in sl.endpoints
+            if ep.ready and node_name and ep.node_name == node_name
+        }
+        counts[svc.key] = len(ips)
+    return counts

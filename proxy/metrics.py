@@ -1,0 +1,115 @@
+"""Prometheus metrics of one kpx process, named as kube-proxy names them.
+
+Owns: the metric objects, registered on one ``REGISTRY`` that the healthz
+sidecar's ``/metrics`` serves. kube-proxy's own names are used where the
+meaning carries over; kpx's dataplane counters use ``kubeproxy_kpx_*`` so
+they sit beside them without pretending to be upstream metrics.
+
+Never: be updated per chunk of data. The forwarder counts bytes per
+connection and adds them once, when the connection ends.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+SYNC_DURATION = Histogram(
+    "kubeproxy_sync_proxy_rules_duration_seconds",
+    "SyncProxyRules latency in seconds",
+    buckets=[0.001 * 2**i for i in range(15)],
+    registry=REGISTRY,
+)
+SYNC_LAST_TIMESTAMP = Gauge(
+    "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+    "The last time proxy rules were successfully synced",
+    registry=REGISTRY,
+)
+SYNC_LAST_QUEUED_TIMESTAMP = Gauge(
+    "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+    "The last time a sync of proxy rules was queued",
+    registry=REGISTRY,
+)
+NETWORK_PROGRAMMING_DURATION = Histogram(
+    "kubeproxy_network_programming_duration_seconds",
+    "In Cluster Network Programming Latency in seconds",
+    buckets=[0.25, 0.5]
+    + list(range(1, 60))
+    + list(range(60, 120, 5))
+    + list(range(120, 301, 30)),
+    registry=REGISTRY,
+)
+NO_LOCAL_ENDPOINTS = Gauge(
+    "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+    "Number of services with a Local traffic policy and no endpoints",
+    ["traffic_policy"],
+    registry=REGISTRY,
+)
+HEALTHZ_TOTAL = Counter(
+    "kubeproxy_proxy_healthz",
+    "Cumulative proxy healthz HTTP status",
+    ["code"],
+    registry=REGISTRY,
+)
+LIVEZ_TOTAL = Counter(
+    "kubeproxy_proxy_livez",
+    "Cumulative proxy livez HTTP status",
+    ["code"],
+    registry=REGISTRY,
+)
+STATE_RELOAD_ERRORS = Counter(
+    "kubeproxy_kpx_state_reload_errors",
+    "State reloads refused because the input was malformed",
+    registry=REGISTRY,
+)
+
+# Dataplane counters, per service port (``ns/name:port``).
+CONNECTIONS_ACCEPTED = Counter(
+    "kubeproxy_kpx_connections_accepted",
+    "Connections accepted on a NodePort",
+    ["service_port"],
+    registry=REGISTRY,
+)
+CONNECTIONS_FORWARDED = Counter(
+    "kubeproxy_kpx_connections_forwarded",
+    "Connections relayed to an endpoint",
+    ["service_port", "snat"],
+    registry=REGISTRY,
+)
+CONNECTIONS_DROPPED = Counter(
+    "kubeproxy_kpx_connections_dropped",
+    "Connections dropped (eTP=Local with no local endpoint); SYNs dropped in the kernel are in the listener's drop count",
+    ["service_port"],
+    registry=REGISTRY,
+)
+CONNECTIONS_REJECTED = Counter(
+    "kubeproxy_kpx_connections_rejected",
+    "Connections reset because no endpoint could take them",
+    ["service_port"],
+    registry=REGISTRY,
+)
+UPSTREAM_CONNECT_FAILURES = Counter(
+    "kubeproxy_kpx_upstream_connect_failures",
+    "Failed connects to an endpoint (each retry counts)",
+    ["service_port"],
+    registry=REGISTRY,
+)
+BYTES = Counter(
+    "kubeproxy_kpx_bytes",
+    "Bytes relayed, by direction (to_endpoint or to_client)",
+    ["service_port", "direction"],
+    registry=REGISTRY,
+)
+ACTIVE_CONNECTIONS = Gauge(
+    "kubeproxy_kpx_active_connections",
+    "Proxied connections currently open",
+    ["service_port"],
+    registry=REGISTRY,
+)
+LISTENERS = Gauge(
+    "kubeproxy_kpx_listeners",
+    "NodePort listening sockets, by state (serving or dropping)",
+    ["state"],
+    registry=REGISTRY,
+)

@@ -1,0 +1,176 @@
+"""The immutable model of the Kubernetes objects kpx reads.
+
+Owns: the typed, frozen form of v1 Node, v1 Service and discovery.k8s.io/v1
+EndpointSlice, and the Snapshot that bundles one consistent version of them.
+
+Never: parse YAML, touch a socket or import asyncio. Everything here is plain
+data so that the rules in ``endpoints`` and ``decision`` stay pure functions
+that tests can feed by hand.
+
+Condition defaults are resolved at parse time exactly as kube-proxy's
+EndpointSliceCache does (nil ready/serving means true, nil terminating means
+false), so no reader ever has to remember the nil rule again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+TrafficPolicy = Literal["Cluster", "Local"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer", "ExternalName"]
+SessionAffinity = Literal["None", "ClientIP"]
+
+DEFAULT_AFFINITY_SECONDS = 10800
+"""API-server default for sessionAffinityConfig.clientIP.timeoutSeconds."""
+
+TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A v1 Node, reduced to what a proxy needs: its addresses and eligibility."""
+
+    name: str
+    internal_ips: tuple[str, ...] = ()
+    external_ips: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    taint_keys: tuple[str, ...] = ()
+    deletion_timestamp: str | None = None
+
+    @property
+    def ips(self) -> tuple[str, ...]:
+        """InternalIPs first, then ExternalIPs, without repeats."""
+        return tuple(dict.fromkeys(self.internal_ips + self.external_ips))
+
+    @property
+    def eligible(self) -> bool:
+        """KEP-3836: a node being deleted should fail /healthz so LBs drain it."""
+        return self.deletion_timestamp is None and TAINT_TO_BE_DELETED not in self.taint_keys
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    name: str
+    protocol: str
+    port: int
+    target_port: int | str
+    node_port: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    namespace: str
+    name: str
+    type: ServiceType
+    ports: tuple[ServicePort, ...]
+    cluster_ip: str | None = None
+    external_traffic_policy: TrafficPolicy = "Cluster"
+    internal_traffic_policy: TrafficPolicy = "Cluster"
+    health_check_node_port: int = 0
+    session_affinity: SessionAffinity = "None"
+    affinity_timeout_seconds: int = DEFAULT_AFFINITY_SECONDS
+    selector: tuple[tuple[str, str], ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    external_ips: tuple[str, ...] = ()
+    publish_not_ready_addresses: bool = False
+
+    @property
+    def key(self) -> str:
+        """``namespace/name``: how kube-proxy and kpx name a service in logs."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def externally_accessible(self) -> bool:
+        return self.type in ("LoadBalancer", "NodePort") or (
+            self.type == "ClusterIP" and bool(self.external_ips)
+        )
+
+    @property
+    def external_policy_local(self) -> bool:
+        return self.externally_accessible and self.external_traffic_policy == "Local"
+
+    @property
+    def needs_health_check(self) -> bool:
+        """Only LoadBalancer + eTP=Local gets a healthCheckNodePort server."""
+        return (
+            self.type == "LoadBalancer"
+            and self.external_policy_local
+            and self.health_check_node_port != 0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One endpoint of a slice. Only the first address counts, as in kube-proxy."""
+
+    address: str
+    node_name: str | None = None
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    pod_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointPort:
+    name: str
+    port: int
+    protocol: str = "TCP"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSlice:
+    namespace: str
+    name: str
+    service_name: str
+    endpoints: tuple[Endpoint, ...]
+    ports: tuple[EndpointPort, ...]
+    address_type: str = "IPv4"
+    trigger_time: float | None = None
+    """``endpoints.kubernetes.io/last-change-trigger-time`` as a UNIX time, if set."""
+
+    @property
+    def service_key(self) -> str:
+        return f"{self.namespace}/{self.service_name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One consistent version of the world, shared by every reader.
+
+    The dataplane and the healthz sidecar both reconcile against the same
+    Snapshot object, which is what guarantees they never disagree.
+    Slices whose Service is absent are already dropped by the parser.
+    """
+
+    nodes: tuple[Node, ...] = ()
+    services: tuple[Service, ...] = ()
+    slices: tuple[EndpointSlice, ...] = ()
+    generation: int = 0
+    _slices_by_service: dict[str, tuple[EndpointSlice, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        index: dict[str, list[EndpointSlice]] = {}
+        for s in self.slices:
+            index.setdefault(s.service_key, []).append(s)
+        object.__setattr__(
+            self, "_slices_by_service", {k: tuple(v) for k, v in index.items()}
+        )
+
+    def node(self, name: str) -> Node | None:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        return None
+
+    def service(self, key: str) -> Service | None:
+        for s in self.services:
+            if s.key == key:
+                return s
+        return None
+
+    def slices_for(self, service: Service) -> tuple[EndpointSlice, ...]:
+        return self._slices_by_service.get(service.key, ())

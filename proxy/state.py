@@ -1,0 +1,92 @@
+"""One state, many readers: the snapshot hub and the proxy health it implies.
+
+Owns: the current ``Snapshot`` of one kpx process and the fan-out of every new
+snapshot to its readers (the dataplane, the healthz sidecar), plus
+``ProxyHealth``, kube-proxy's ``QueuedUpdate``/``Updated`` bookkeeping that
+``/healthz`` and ``serviceProxyHealthy`` report.
+
+Never: parse files or open sockets. Sources (``proxy.source``) call
+``publish``; readers ``subscribe``.
+
+Health follows ``pkg/proxy/healthcheck/proxy_health.go``: a snapshot that has
+been queued but not applied for ``2 x sync period`` makes the proxy unhealthy;
+applying it (``updated``) makes it healthy again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from proxy.model import Snapshot
+
+log = logging.getLogger(__name__)
+
+Reader = Callable[[Snapshot], None]
+
+
+class ProxyHealth:
+    """kube-proxy's proxier health: healthy unless an update is pending too long."""
+
+    def __init__(self, timeout: float = 60.0, clock: Callable[[], float] = time.time) -> None:
+        self.timeout = timeout
+        self._clock = clock
+        self.last_updated: float = clock()
+        self.oldest_pending: float | None = None
+
+    def queued(self) -> None:
+        if self.oldest_pending is None:
+            self.oldest_pending = self._clock()
+
+    def updated(self) -> None:
+        self.oldest_pending = None
+        self.last_updated = self._clock()
+
+    def healthy(self) -> bool:
+        if self.oldest_pending is None:
+            return True
+        return self._clock() - self.oldest_pending < self.timeout
+
+    def now(self) -> float:
+        return self._clock()
+
+
+class StateHub:
+    """Holds the current snapshot and hands each new one to every reader.
+
+    Readers are called synchronously, in subscription order, on the event
+    loop thread. A reader that raises is logged and skipped: one broken
+    reader must never leave the others on a stale state.
+    """
+
+    def __init__(self, health: ProxyHealth | None = None) -> None:
+        self.snapshot: Snapshot | None = None
+        self.health = health or ProxyHealth()
+        self._readers: list[Reader] = []
+
+    def subscribe(self, reader: Reader) -> None:
+        self._readers.append(reader)
+        if self.snapshot is not None:
+            self._deliver(reader, self.snapshot)
+
+    def publish(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.health.queued()
+        ok = True
+        for reader in list(self._readers):
+            ok &= self._deliver(reader, snapshot)
+        if ok:
+            self.health.updated()
+
+    def _deliver(self, reader: Reader, snapshot: Snapshot) -> bool:
+        try:
+            reader(snapshot)
+        except Exception:
+            log.exception(
+                "state reader %s failed on generation %d",
+                getattr(reader, "__qualname__", reader),
+                snapshot.generation,
+            )
+            return False
+        return True
