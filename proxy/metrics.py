@@ -34,10 +34,7 @@ SYNC_LAST_QUEUED_TIMESTAMP = Gauge(
 NETWORK_PROGRAMMING_DURATION = Histogram(
     "kubeproxy_network_programming_duration_seconds",
     "In Cluster Network Programming Latency in seconds",
-    buckets=[0.25, 0.5]
-    + list(range(1, 60))
-    + list(range(60, 120, 5))
-    + list(range(120, 301, 30)),
+    buckets=[0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30)],
     registry=REGISTRY,
 )
 NO_LOCAL_ENDPOINTS = Gauge(
@@ -79,7 +76,8 @@ CONNECTIONS_FORWARDED = Counter(
 )
 CONNECTIONS_DROPPED = Counter(
     "kubeproxy_kpx_connections_dropped",
-    "Connections dropped (eTP=Local with no local endpoint); SYNs dropped in the kernel are in the listener's drop count",
+    "Connections dropped for eTP=Local with no local endpoint"
+    " (SYNs the kernel drops are counted by the listener)",
     ["service_port"],
     registry=REGISTRY,
 )

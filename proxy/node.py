@@ -1,0 +1,181 @@
+"""``kpx node``: one node's proxy, wired together.
+
+Owns: flags (named as kube-proxy names them), the event loop, signals, and
+the wiring source -> hub -> {dataplane, healthz}. Both readers see the very
+same Snapshot object, so the healthCheckNodePort can never claim endpoints
+the dataplane does not forward to.
+
+Never: make a forwarding decision or touch a socket itself.
+
+Signals: SIGTERM/SIGINT stop accepting, let established connections drain up
+to ``--shutdown-grace``, then exit 0. SIGHUP re-reads the state file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from proxy import metrics
+from proxy.model import Snapshot
+from proxy.source import StateFileSource
+from proxy.state import ProxyHealth, StateHub
+
+log = logging.getLogger(__name__)
+
+
+def parse_duration(text: str) -> float:
+    """Go-style durations as kube-proxy flags take them: ``30s``, ``1m``, ``500ms``, ``2``."""
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    for suffix in ("ms", "s", "m", "h"):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * units[suffix]
+    return float(text)
+
+
+def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    if not text:
+        return []
+    try:
+        return [ipaddress.ip_network(c.strip(), strict=False) for c in text.split(",") if c.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by ``kpx node`` and ``kpx healthz``."""
+    parser.add_argument(
+        "--hostname-override",
+        default=socket.gethostname(),
+        help="this node's name: endpoints with this nodeName are local (default: hostname)",
+    )
+    parser.add_argument(
+        "--state", type=Path, required=True,
+        help="YAML file of v1 Node, v1 Service and discovery.k8s.io/v1 EndpointSlice objects",
+    )
+    parser.add_argument(
+        "--nodeport-addresses", type=parse_cidrs, default=[], metavar="CIDR,...",
+        help="serve NodePorts only on node addresses inside these CIDRs (default: all)",
+    )
+    parser.add_argument(
+        "--healthz-bind-address", default="0.0.0.0:10256", metavar="IP:PORT",
+        help="node /healthz and /livez (default 0.0.0.0:10256)",
+    )
+    parser.add_argument(
+        "--metrics-bind-address", default="127.0.0.1:10249", metavar="IP:PORT",
+        help="/metrics and /proxyMode (default 127.0.0.1:10249)",
+    )
+    parser.add_argument(
+        "--sync-period", type=parse_duration, default=30.0, metavar="DURATION",
+        help="health turns bad when an update waits longer than twice this (default 30s)",
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_node_flags(parser)
+    parser.add_argument(
+        "--masquerade-all", action="store_true",
+        help="SNAT every eTP=Cluster hop, also to endpoints on this node (iptables mode)",
+    )
+    parser.add_argument(
+        "--cluster-cidr", type=parse_cidrs, default=[], metavar="CIDR,...",
+        help="pod CIDRs: their NodePort traffic gets Cluster semantics, like detect-local-mode",
+    )
+    parser.add_argument("--no-healthz", action="store_true", help="do not run the healthz sidecar")
+    parser.add_argument(
+        "--no-transparent", action="store_true",
+        help="never preserve the client IP (SNAT everything); no routing is installed",
+    )
+    parser.add_argument(
+        "--shutdown-grace", type=parse_duration, default=10.0, metavar="DURATION",
+        help="how long SIGTERM lets established connections drain (default 10s)",
+    )
+    parser.add_argument(
+        "--connect-timeout", type=parse_duration, default=2.0, metavar="DURATION",
+        help="upstream connect timeout per endpoint before trying another (default 2s)",
+    )
+
+
+def timed_reader(reader: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
+    """Wrap the dataplane's apply with kube-proxy's sync metrics."""
+
+    def apply(snapshot: Snapshot) -> None:
+        start = time.perf_counter()
+        reader(snapshot)
+        done = time.time()
+        metrics.SYNC_DURATION.observe(time.perf_counter() - start)
+        metrics.SYNC_LAST_TIMESTAMP.set(done)
+
+    apply.__qualname__ = f"timed({getattr(reader, '__qualname__', reader)})"
+    return apply
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from proxy.dataplane import Dataplane
+
+    loop = asyncio.get_running_loop()
+    hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
+    dataplane = Dataplane(
+        args.hostname_override,
+        loop=loop,
+        nodeport_cidrs=args.nodeport_addresses or None,
+        masquerade_all=args.masquerade_all,
+        transparent=not args.no_transparent,
+        connect_timeout=args.connect_timeout,
+        cluster_cidrs=args.cluster_cidr,
+    )
+    hub.subscribe(timed_reader(dataplane.apply))
+
+    sidecar = None
+    if not args.no_healthz:
+        from healthz.sidecar import Sidecar
+
+        sidecar = Sidecar(
+            hub,
+            args.hostname_override,
+            healthz_bind=args.healthz_bind_address,
+            metrics_bind=args.metrics_bind_address,
+            nodeport_addresses=args.nodeport_addresses or None,
+        )
+        await sidecar.start()
+
+    source = StateFileSource(args.state, hub)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, source.reload)
+
+    log.info("kpx node %s starting (state %s)", args.hostname_override, args.state)
+    watcher = asyncio.create_task(source.run(), name="state-source")
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher.done() and watcher.exception() is not None:
+        log.error("state source died", exc_info=watcher.exception())
+
+    log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
+    source.stop()
+    await dataplane.stop_accepting()
+    if sidecar is not None:
+        await sidecar.stop()
+    await dataplane.drain(args.shutdown_grace)
+    dataplane.close()
+    watcher.cancel()
+    stopper.cancel()
+    log.info("kpx node %s stopped", args.hostname_override)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        logging.getLogger(__name__).warning("uvloop missing; using the default asyncio loop")
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
