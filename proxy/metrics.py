@@ -11,7 +11,17 @@ connection and adds them once, when the connection ends.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+
+# kube-proxy exposes no ``*_created`` series; scrapers written for it should
+# see the same families from kpx.
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

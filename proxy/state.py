@@ -70,6 +70,10 @@ class StateHub:
         if self.snapshot is not None:
             self._deliver(reader, self.snapshot)
 
+    def unsubscribe(self, reader: Reader) -> None:
+        if reader in self._readers:
+            self._readers.remove(reader)
+
     def publish(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
         self.health.queued()

@@ -1,0 +1,78 @@
+"""``kpx healthz``: the healthz sidecar alone, as its own process.
+
+Owns: the process shell of the sidecar form: flags (the same node flags as
+``kpx node``), its own ``StateHub`` fed by its own ``StateFileSource``, the
+uvloop event loop, and a clean exit 0 on SIGTERM/SIGINT.
+
+Never: proxy traffic. In this form the health answers describe the state
+file as this process read it; ``kpx node`` runs the same ``Sidecar`` on the
+dataplane's own hub instead, which is the form that can never disagree with
+the dataplane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from healthz.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from proxy.node import add_node_flags
+
+    add_node_flags(parser)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run until SIGTERM or SIGINT, then close every port and return 0."""
+    from proxy.source import StateFileSource
+    from proxy.state import ProxyHealth, StateHub
+
+    loop = asyncio.get_running_loop()
+    hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
+    sidecar = Sidecar(
+        hub,
+        args.hostname_override,
+        healthz_bind=args.healthz_bind_address,
+        metrics_bind=args.metrics_bind_address,
+        nodeport_addresses=args.nodeport_addresses or None,
+        retry_interval=min(5.0, args.sync_period),
+    )
+    await sidecar.start()
+    source = StateFileSource(args.state, hub)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, source.reload)
+
+    log.info("kpx healthz %s starting (state %s)", args.hostname_override, args.state)
+    watcher = asyncio.create_task(source.run(), name="state-source")
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+        log.error("state source died", exc_info=watcher.exception())
+
+    source.stop()
+    await sidecar.stop()
+    for task in (watcher, stopper):
+        task.cancel()
+    await asyncio.gather(watcher, stopper, return_exceptions=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.remove_signal_handler(sig)
+    log.info("kpx healthz %s stopped", args.hostname_override)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        log.warning("uvloop missing; using the default asyncio loop")
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))

@@ -1,0 +1,357 @@
+"""Per-service ``healthCheckNodePort`` servers: kube-proxy's ``service_health.go``.
+
+Owns: one HTTP listener per Service that needs a health check (type
+LoadBalancer, externalTrafficPolicy Local, non-zero healthCheckNodePort),
+opened, moved and closed as snapshots arrive, and the answer each one gives:
+byte for byte what kube-proxy writes, on every path and for every method.
+
+Never: raise out of ``sync`` (it runs inside ``StateHub.publish``, and one
+service's bad port must not stop the others or the dataplane), block the loop
+on I/O, or keep a listener for a service that no longer needs one: a closed
+health port must *refuse*, which is how e2e and load balancers tell "turned
+off" from "unhealthy".
+
+Answer rules (spec section 3a): status 200 iff the service has local ready
+endpoints and the proxy is healthy, else 503; ``localEndpoints`` counts unique
+local *ready* IPs per Service, so a node whose pods are only terminating
+answers 503 while its dataplane still forwards to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from aiohttp.web_request import BaseRequest
+from prometheus_client import Gauge
+
+from healthz.http import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    GoResponse,
+    HttpListener,
+    go_response,
+)
+from proxy.endpoints import local_ready_counts
+from proxy.metrics import REGISTRY
+from proxy.model import Service, Snapshot
+from proxy.state import ProxyHealth
+
+log = logging.getLogger(__name__)
+
+HEALTHCHECK_LISTENERS = Gauge(
+    "kubeproxy_kpx_healthcheck_services",
+    "Services with a healthCheckNodePort, by listener state (serving or bind_failed)",
+    ["state"],
+    registry=REGISTRY,
+)
+
+ALL_ADDRESSES = "0.0.0.0"
+
+_GO_ESCAPES = {
+    "\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n",
+    "\r": "\\r", "\t": "\\t", "\v": "\\v", '"': '\\"', "\\": "\\\\",
+}
+
+
+def go_quote(text: str) -> str:
+    """Go's ``%q`` (``strconv.Quote``) of a string.
+
+    Unlike JSON it keeps printable non-ASCII as is and writes other control
+    characters as ``\\xHH``; for Kubernetes names (DNS labels) both agree.
+    """
+    out = ['"']
+    for ch in text:
+        esc = _GO_ESCAPES.get(ch)
+        if esc is not None:
+            out.append(esc)
+        elif ch.isprintable():
+            out.append(ch)
+        elif ord(ch) < 0x80:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) < 0x10000:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    out.append('"')
+    return "".join(out)
+
+
+def render_body(namespace: str, name: str, count: int, healthy: bool) -> bytes:
+    """kube-proxy's dedented, tab-indented body, with no trailing newline."""
+    return (
+        "{\n"
+        '\t"service": {\n'
+        f'\t\t"namespace": {go_quote(namespace)},\n'
+        f'\t\t"name": {go_quote(name)}\n'
+        "\t},\n"
+        f'\t"localEndpoints": {count},\n'
+        f'\t"serviceProxyHealthy": {"true" if healthy else "false"}\n'
+        "}"
+    ).encode()
+
+
+NodePortAddress = str | ipaddress.IPv4Network | ipaddress.IPv6Network
+"""An IP to listen on, or a CIDR (string or network) to match node addresses against."""
+
+
+def resolve_hosts(
+    addresses: Sequence[NodePortAddress] | None, snapshot: Snapshot, node_name: str
+) -> tuple[str, ...]:
+    """The addresses to listen on, as kube-proxy derives them from ``--nodeport-addresses``.
+
+    ``None`` or empty means every address (``0.0.0.0``). A CIDR (a network
+    object or ``"a.b.c.d/n"``) selects this node's addresses from the
+    snapshot plus 127.0.0.1 (kube-proxy matches interface addresses, and
+    loopback is one of them); a CIDR that matches everything means 0.0.0.0.
+    A plain IP string is taken as is. Raises ``ValueError`` on a bad entry.
+    """
+    if not addresses:
+        return (ALL_ADDRESSES,)
+    node = snapshot.node(node_name)
+    candidates = (*(node.ips if node else ()), "127.0.0.1")
+    hosts: list[str] = []
+    for entry in addresses:
+        if isinstance(entry, str):
+            entry = entry.strip()
+            if not entry:
+                continue
+            if "/" not in entry:
+                hosts.append(str(ipaddress.ip_address(entry)))
+                continue
+            entry = ipaddress.ip_network(entry, strict=False)
+        if entry.prefixlen == 0 and entry.version == 4:
+            return (ALL_ADDRESSES,)
+        for ip in candidates:
+            try:
+                if ipaddress.ip_address(ip) in entry:
+                    hosts.append(ip)
+            except ValueError:
+                continue
+    if ALL_ADDRESSES in hosts:
+        return (ALL_ADDRESSES,)
+    return tuple(dict.fromkeys(hosts))
+
+
+@dataclass(eq=False)
+class _HealthCheck:
+    """The live state of one service's health-check server."""
+
+    namespace: str
+    name: str
+    port: int
+    hosts: tuple[str, ...]
+    health: ProxyHealth
+    count: int = 0
+    listener: HttpListener | None = None
+    error: str | None = field(default=None)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def answer(self, request: BaseRequest) -> GoResponse:
+        """Every path, every method: the same answer (kube-proxy has no mux here)."""
+        count = self.count
+        healthy = self.health.healthy()
+        return go_response(
+            200 if count > 0 and healthy else 503,
+            [
+                ("Content-Type", "application/json"),
+                ("X-Content-Type-Options", "nosniff"),
+                ("X-Load-Balancing-Endpoint-Weight", str(count)),
+            ],
+            render_body(self.namespace, self.name, count, healthy),
+        )
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+class ServiceHealthServer:
+    """All healthCheckNodePort listeners of one node, reconciled per snapshot.
+
+    ``sync`` is synchronous because ``StateHub`` calls its readers
+    synchronously: binding and closing happen before it returns, so the port
+    set always matches the last snapshot. A port that cannot be bound is
+    logged with its service and retried on the next sync and every
+    ``retry_interval`` seconds meanwhile; the other services are unaffected.
+    """
+
+    def __init__(
+        self,
+        node_name: str,
+        health: ProxyHealth,
+        addresses: Sequence[NodePortAddress] | None = None,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        retry_interval: float = 5.0,
+    ) -> None:
+        self.node_name = node_name
+        self.health = health
+        self.addresses = list(addresses) if addresses else None
+        # A malformed address is a configuration error: fail now, not per sync.
+        resolve_hosts(self.addresses, Snapshot(), node_name)
+        self.max_connections = max_connections
+        self.header_timeout = header_timeout
+        self.retry_interval = retry_interval
+        self._checks: dict[str, _HealthCheck] = {}
+        self._snapshot: Snapshot | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self._closing: list[HttpListener] = []
+        self._stopped = False
+
+    # -- what tests and the sidecar can ask ---------------------------------
+
+    def serving(self) -> dict[str, list[tuple[str, int]]]:
+        """``ns/name`` -> bound addresses, for every service currently listening."""
+        return {
+            key: list(c.listener.addresses)
+            for key, c in self._checks.items()
+            if c.listener is not None
+        }
+
+    def failed(self) -> dict[str, str]:
+        """``ns/name`` -> last bind error, for services waiting for a retry."""
+        return {key: c.error for key, c in self._checks.items() if c.error is not None}
+
+    def local_endpoints(self, key: str) -> int | None:
+        check = self._checks.get(key)
+        return None if check is None else check.count
+
+    # -- reconciliation ------------------------------------------------------
+
+    def sync(self, snapshot: Snapshot) -> None:
+        """Make the listeners and counts match ``snapshot``. Never raises."""
+        if self._stopped:
+            return
+        self._snapshot = snapshot
+        try:
+            self._reconcile(snapshot)
+        except Exception:
+            log.exception("healthcheck sync of generation %d failed", snapshot.generation)
+
+    def _reconcile(self, snapshot: Snapshot) -> None:
+        wanted: dict[str, Service] = {
+            s.key: s for s in snapshot.services if s.needs_health_check
+        }
+        counts = local_ready_counts(snapshot, self.node_name)
+        try:
+            hosts = resolve_hosts(self.addresses, snapshot, self.node_name)
+        except ValueError as exc:
+            log.error("invalid nodeport address in %s: %s", self.addresses, exc)
+            hosts = ()
+
+        # Close first, so a port handed from one service to another in the
+        # same snapshot is free by the time the new owner binds it.
+        for key, check in list(self._checks.items()):
+            svc = wanted.get(key)
+            if svc is None or svc.health_check_node_port != check.port or hosts != check.hosts:
+                if check.listener is not None:
+                    log.info("service %s: closing health check on port %d", key, check.port)
+                    self._closing.append(check.listener)
+                check.close()
+                del self._checks[key]
+
+        for key, svc in wanted.items():
+            check = self._checks.get(key)
+            if check is None:
+                check = _HealthCheck(
+                    namespace=svc.namespace,
+                    name=svc.name,
+                    port=svc.health_check_node_port,
+                    hosts=hosts,
+                    health=self.health,
+                )
+                self._checks[key] = check
+            check.count = counts.get(key, 0)
+            if check.listener is not None and check.listener.closed:
+                # It gave up on its own (serving failed to start): start over.
+                check.listener = None
+            if check.listener is None:
+                self._open(check)
+
+        self._closing = [lst for lst in self._closing if not lst.settled]
+        failed = sum(1 for c in self._checks.values() if c.listener is None)
+        HEALTHCHECK_LISTENERS.labels(state="serving").set(len(self._checks) - failed)
+        HEALTHCHECK_LISTENERS.labels(state="bind_failed").set(failed)
+        if failed:
+            self._schedule_retry()
+
+    def _open(self, check: _HealthCheck) -> None:
+        if not check.hosts:
+            self._failed(check, "no node address matches --nodeport-addresses")
+            return
+        listener = HttpListener(
+            f"healthcheck {check.key}",
+            check.answer,
+            max_connections=self.max_connections,
+            header_timeout=self.header_timeout,
+        )
+        try:
+            listener.open([(host, check.port) for host in check.hosts])
+        except OSError as exc:
+            self._failed(check, f"{exc.strerror or exc} (errno {exc.errno})")
+            return
+        except Exception as exc:  # e.g. a port out of range: this service only
+            self._failed(check, f"{type(exc).__name__}: {exc}")
+            return
+        if check.error is not None:
+            log.info("service %s: health check port %d is free again", check.key, check.port)
+        check.listener = listener
+        check.error = None
+        log.info(
+            "service %s: serving health checks on %s",
+            check.key,
+            ", ".join(f"{h}:{p}" for h, p in listener.addresses),
+        )
+
+    def _failed(self, check: _HealthCheck, error: str) -> None:
+        # Loud once per distinct error, quiet on every retry that fails the same way.
+        level = logging.DEBUG if check.error == error else logging.ERROR
+        log.log(
+            level,
+            "service %s: cannot serve health checks on port %d: %s; will retry",
+            check.key,
+            check.port,
+            error,
+        )
+        check.error = error
+
+    def _schedule_retry(self) -> None:
+        if self._retry is not None or self._stopped:
+            return
+        loop = asyncio.get_running_loop()
+        self._retry = loop.call_later(self.retry_interval, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        if self._snapshot is not None:
+            self.sync(self._snapshot)
+
+    async def stop(self) -> None:
+        """Close every listener and wait until none is left."""
+        self._stopped = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        for check in self._checks.values():
+            if check.listener is not None:
+                self._closing.append(check.listener)
+            check.close()
+        self._checks.clear()
+        HEALTHCHECK_LISTENERS.labels(state="serving").set(0)
+        HEALTHCHECK_LISTENERS.labels(state="bind_failed").set(0)
+        await self.wait_settled()
+
+    async def wait_settled(self) -> None:
+        """Wait until listeners closed by past syncs have fully let go of their sockets."""
+        closing, self._closing = self._closing, []
+        for lst in closing:
+            await lst.wait_closed()

@@ -1,0 +1,307 @@
+"""Node health (/healthz, /livez), the metrics port, the sync gauges and the Sidecar."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from hzutil import (
+    NODES,
+    FakeClock,
+    ep,
+    eps_slice,
+    eventually,
+    free_port,
+    get,
+    http_raw,
+    lb_service,
+    refuses,
+    snap,
+    split_response,
+)
+
+from healthz.node import MetricsServer, NodeHealthServer, SyncMetrics, rfc3339nano
+from healthz.sidecar import Sidecar, parse_bind_address
+from proxy.metrics import REGISTRY
+from proxy.model import Node
+from proxy.state import ProxyHealth, StateHub
+
+T0 = 1_800_000_000.25  # 2027-01-15T08:00:00.25Z
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def start_sidecar(hub: StateHub, node: str = "node-a", **kw) -> Sidecar:
+    sidecar = Sidecar(hub, node, healthz_bind="127.0.0.1:0", metrics_bind="127.0.0.1:0", **kw)
+    await sidecar.start()
+    return sidecar
+
+
+async def node_get(sidecar: Sidecar, path: str, method: str = "GET") -> tuple[bytes, bytes]:
+    assert sidecar.healthz_address is not None
+    return split_response(await http_raw(sidecar.healthz_address[1], get(path, method)))
+
+
+def test_rfc3339nano_like_go() -> None:
+    assert rfc3339nano(T0) == "2027-01-15T08:00:00.25Z"
+    assert rfc3339nano(1_800_000_000.0) == "2027-01-15T08:00:00Z"
+    assert rfc3339nano(0.123456789) == "1970-01-01T00:00:00.123456789Z"
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(T0)
+
+
+@pytest.fixture
+def hub(clock: FakeClock) -> StateHub:
+    return StateHub(ProxyHealth(timeout=60.0, clock=clock))
+
+
+async def test_healthz_and_livez_when_healthy(hub: StateHub, clock: FakeClock) -> None:
+    sidecar = await start_sidecar(hub)
+    try:
+        hub.publish(snap())  # last update at T0
+        clock.advance(10.5)  # now T0 + 10.5; nothing pending
+        before = sample("kubeproxy_proxy_healthz_total", code="200")
+        head, body = await node_get(sidecar, "/healthz")
+        assert head == (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"X-Content-Type-Options: nosniff\r\nDate: DATE\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n"
+        )
+        # json.Marshal: no spaces, Go's field order; lastUpdated is "now" when healthy.
+        assert body == (
+            b'{"lastUpdated":"2027-01-15T08:00:10.75Z","currentTime":"2027-01-15T08:00:10.75Z",'
+            b'"nodeEligible":true,"healthy":true,'
+            b'"status":{"IPv4":{"lastUpdated":"2027-01-15T08:00:00.25Z","healthy":true}}}'
+        )
+        assert sample("kubeproxy_proxy_healthz_total", code="200") == before + 1
+
+        before = sample("kubeproxy_proxy_livez_total", code="200")
+        head, body = await node_get(sidecar, "/livez", "POST")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert json.loads(body) == {
+            "lastUpdated": "2027-01-15T08:00:10.75Z",
+            "currentTime": "2027-01-15T08:00:10.75Z",
+            "healthy": True,
+            "status": {"IPv4": {"lastUpdated": "2027-01-15T08:00:00.25Z", "healthy": True}},
+        }
+        assert sample("kubeproxy_proxy_livez_total", code="200") == before + 1
+    finally:
+        await sidecar.stop()
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        Node("node-a", deletion_timestamp="2027-01-15T07:59:00Z"),
+        Node("node-a", taint_keys=("ToBeDeletedByClusterAutoscaler",)),
+        None,  # unknown node: not eligible, as in the newest kube-proxy
+    ],
+    ids=["deleting", "autoscaler-taint", "unknown"],
+)
+async def test_ineligible_node_fails_healthz_but_not_livez(
+    hub: StateHub, node: Node | None
+) -> None:
+    sidecar = await start_sidecar(hub)
+    try:
+        hub.publish(snap(nodes=[node] if node else []))
+        before = sample("kubeproxy_proxy_healthz_total", code="503")
+        head, body = await node_get(sidecar, "/healthz")
+        assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        doc = json.loads(body)
+        assert doc["nodeEligible"] is False and doc["healthy"] is True
+        # Not healthy as a whole, so lastUpdated is the real last update.
+        assert doc["lastUpdated"] == rfc3339nano(T0)
+        assert sample("kubeproxy_proxy_healthz_total", code="503") == before + 1
+
+        head, body = await node_get(sidecar, "/livez")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert "nodeEligible" not in json.loads(body)
+    finally:
+        await sidecar.stop()
+
+
+async def test_update_pending_too_long_fails_both(hub: StateHub, clock: FakeClock) -> None:
+    sidecar = await start_sidecar(hub)
+    try:
+        hub.publish(snap())
+        hub.health.queued()  # an update arrives and is never applied
+        clock.advance(59.0)
+        assert (await node_get(sidecar, "/healthz"))[0].startswith(b"HTTP/1.1 200 OK")
+        clock.advance(1.0)
+        for path in ("/healthz", "/livez"):
+            head, body = await node_get(sidecar, path)
+            assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+            doc = json.loads(body)
+            assert doc["healthy"] is False
+            assert doc["status"]["IPv4"] == {"lastUpdated": rfc3339nano(T0), "healthy": False}
+            assert doc["lastUpdated"] == rfc3339nano(T0)
+            assert doc["currentTime"] == rfc3339nano(T0 + 60.0)
+    finally:
+        await sidecar.stop()
+
+
+async def test_other_paths_get_gos_404(hub: StateHub) -> None:
+    sidecar = await start_sidecar(hub)
+    try:
+        for path in ("/", "/healthz/", "/livez/x", "/metrics", "/HEALTHZ"):
+            head, body = await node_get(sidecar, path)
+            assert head == (
+                b"HTTP/1.1 404 Not Found\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                b"X-Content-Type-Options: nosniff\r\nDate: DATE\r\nContent-Length: 19\r\n"
+                b"Connection: close\r\n"
+            ), path
+            assert body == b"404 page not found\n"
+    finally:
+        await sidecar.stop()
+
+
+async def test_metrics_port(hub: StateHub) -> None:
+    sidecar = await start_sidecar(hub)
+    assert sidecar.metrics_address is not None
+    port = sidecar.metrics_address[1]
+    try:
+        await node_get(sidecar, "/healthz")  # so the healthz counter has a sample
+        head, body = split_response(await http_raw(port, get("/metrics")))
+        assert head.startswith(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4")
+        text = body.decode()
+        for name in (
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "kubeproxy_network_programming_duration_seconds_bucket",
+            'kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy="external"}',
+            "kubeproxy_proxy_healthz_total{",
+            "kubeproxy_kpx_connections_accepted_total",
+            "kubeproxy_kpx_healthz_connections_closed_total",
+        ):
+            assert name in text, name
+
+        head, body = split_response(await http_raw(port, get("/proxyMode")))
+        assert head.startswith(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            b"X-Content-Type-Options: nosniff\r\n"
+        )
+        assert body == b"userspace"
+        head, body = split_response(await http_raw(port, get("/healthz")))
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"ok"
+        head, body = split_response(await http_raw(port, get("/nope")))
+        assert head.startswith(b"HTTP/1.1 404 Not Found\r\n") and body == b"404 page not found\n"
+    finally:
+        await sidecar.stop()
+
+
+def test_no_local_endpoints_gauge_counts_dropping_local_service_ports() -> None:
+    metrics = SyncMetrics("node-a", clock=FakeClock(T0))
+    here = lb_service("here", node_port=30001)
+    elsewhere = lb_service("elsewhere", node_port=30002)
+    nowhere = lb_service("nowhere", node_port=30003)
+    cluster = lb_service("cluster", policy="Cluster", node_port=30004)
+    metrics.sync(
+        snap(
+            [here, elsewhere, nowhere, cluster],
+            [
+                eps_slice(here, [ep("10.1.0.1", "node-a")]),
+                eps_slice(elsewhere, [ep("10.1.0.2", "node-b")]),
+                eps_slice(cluster, [ep("10.1.0.3", "node-b")]),
+            ],
+        )
+    )
+    # Only "elsewhere" drops: "nowhere" rejects, "cluster" forwards.
+    assert sample(
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total", traffic_policy="external"
+    ) == 1
+    assert sample(
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total", traffic_policy="internal"
+    ) == 0
+
+
+def test_network_programming_latency_observed_once_per_new_trigger() -> None:
+    clock = FakeClock(T0)
+    metrics = SyncMetrics("node-a", clock=clock)
+    svc = lb_service()
+    count = "kubeproxy_network_programming_duration_seconds_count"
+    total = "kubeproxy_network_programming_duration_seconds_sum"
+    n0, s0 = sample(count), sample(total)
+
+    # A trigger from before we started measures our start-up: ignored.
+    metrics.sync(snap([svc], [eps_slice(svc, [], trigger_time=T0 - 100)]))
+    assert sample(count) == n0
+
+    clock.advance(2.0)
+    state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1.5)])
+    metrics.sync(state)
+    assert sample(count) == n0 + 1
+    assert sample(total) == pytest.approx(s0 + 0.5)
+    metrics.sync(state)  # same trigger again: not a new change
+    assert sample(count) == n0 + 1
+
+
+async def test_sidecar_follows_the_hub_and_stop_closes_everything(hub: StateHub) -> None:
+    hc_port = free_port()
+    sidecar = await start_sidecar(hub, nodeport_addresses=["127.0.0.1"])
+    healthz = sidecar.healthz_address
+    metrics = sidecar.metrics_address
+    assert healthz and metrics
+    try:
+        svc = lb_service(hc_port=hc_port)
+        hub.publish(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
+        raw = await http_raw(hc_port, get())
+        assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and b'"localEndpoints": 1' in raw
+        hub.publish(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-b")])], generation=2))
+        raw = await http_raw(hc_port, get())
+        assert raw.startswith(b"HTTP/1.1 503 ") and b'"localEndpoints": 0' in raw
+        assert hub.health.healthy()
+    finally:
+        await sidecar.stop()
+    for port in (hc_port, healthz[1], metrics[1]):
+        assert refuses(port)
+    # A stopped sidecar ignores later snapshots (the hub cannot unsubscribe).
+    hub.publish(snap([lb_service(hc_port=hc_port)], generation=3))
+    assert refuses(hc_port)
+
+
+async def test_sidecar_retries_a_busy_healthz_port(hub: StateHub) -> None:
+    port = free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()
+    sidecar = Sidecar(
+        hub, "node-a", healthz_bind=f"127.0.0.1:{port}", metrics_bind="", retry_interval=0.05
+    )
+    try:
+        await sidecar.start()
+        assert sidecar.healthz_address is None and sidecar.metrics_address is None
+        hub.publish(snap(nodes=NODES))
+        squatter.close()
+        await eventually(lambda: sidecar.healthz_address is not None, timeout=3)
+        head, _ = await node_get(sidecar, "/healthz")
+        assert head.startswith(b"HTTP/1.1 200 OK")
+    finally:
+        squatter.close()
+        await sidecar.stop()
+
+
+def test_parse_bind_address() -> None:
+    assert parse_bind_address("0.0.0.0:10256", 1) == ("0.0.0.0", 10256)
+    assert parse_bind_address("127.0.0.1", 10249) == ("127.0.0.1", 10249)
+    assert parse_bind_address(":8080", 1) == ("0.0.0.0", 8080)
+    assert parse_bind_address("[::1]:9", 1) == ("::1", 9)
+    assert parse_bind_address("", 1) is None
+    with pytest.raises(ValueError):
+        parse_bind_address("nohost:1", 1)
+
+
+def test_node_health_document_without_a_server() -> None:
+    clock = FakeClock(T0)
+    server = NodeHealthServer(ProxyHealth(clock=clock), "node-a")
+    ok, doc = server.document(with_node=True)
+    assert not ok and doc["nodeEligible"] is False  # no snapshot yet: node unknown
+    server.sync(snap())
+    ok, doc = server.document(with_node=True)
+    assert ok and list(doc) == ["lastUpdated", "currentTime", "nodeEligible", "healthy", "status"]
+    assert MetricsServer().proxy_mode == "userspace"
