@@ -26,7 +26,9 @@ _REAP_EVERY = 1024
 
 
 class Balancer:
-    __slots__ = ("_cursor", "_sticky", "_picks")
+    """Round-robin cursor plus ClientIP affinity records for one service port."""
+
+    __slots__ = ("_cursor", "_picks", "_sticky")
 
     def __init__(self) -> None:
         self._cursor = 0
@@ -47,6 +49,10 @@ class Balancer:
         if not candidates:
             return None
         if affinity_seconds is None:
+            # Affinity was switched off: forget every record, as kube-proxy's
+            # rules vanish, so switching it back on starts afresh.
+            if self._sticky:
+                self._sticky.clear()
             return self._next(candidates)
 
         self._picks += 1

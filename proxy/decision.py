@@ -188,10 +188,12 @@ def decide(
     ep = balancer.pick(candidates, client_ip, now, plan.affinity_seconds, exclude)
     if ep is None:
         return Reject(f"{plan.key}: every eligible endpoint failed for {client_ip}")
-    if node_source or plan.masquerade_all and not plan.policy_local:
-        snat = True
-    else:
-        snat = not ep.is_local
+    # The node's own traffic always SNATs (iptables marks --src-type LOCAL for
+    # masquerade). Otherwise only a cross-node hop must, because its reply
+    # would not come back through this node (kpx decision 3);
+    # --masquerade-all restores "always" for eTP=Cluster, never for eTP=Local
+    # external clients, whose source IP is the point of the policy.
+    snat = node_source or (plan.masquerade_all and not plan.policy_local) or not ep.is_local
     return Forward(ep, snat, f"{why} -> {ep}{' (SNAT)' if snat else ''}")
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from proxy.model import Service, ServicePort, Snapshot
+from proxy.model import Endpoint, Service, ServicePort, Snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +144,23 @@ def local_ready_counts(snapshot: Snapshot, node_name: str) -> Mapping[str, int]:
     for svc in snapshot.services:
         if not svc.needs_health_check:
             continue
+        # kube-proxy counts from its deduplicated per-port endpoint map, so a
+        # duplicate ip:port is judged by the copy that map keeps (the
+        # non-terminating one), and an endpoint under no usable port is absent.
+        by_port: dict[tuple[str, str], dict[tuple[str, int], Endpoint]] = {}
+        for sl in snapshot.slices_for(svc):
+            for sp in sl.ports:
+                if sp.port == 0:
+                    continue
+                kept = by_port.setdefault((sp.name, sp.protocol), {})
+                for ep in sl.endpoints:
+                    key = (ep.address, sp.port)
+                    if key not in kept or not ep.terminating:
+                        kept[key] = ep
         ips = {
             ep.address
-            for sl in snapshot.slices_for(svc)
-            if sl.ports
-            for ep in sl.endpoints
+            for kept in by_port.values()
+            for ep in kept.values()
             if ep.ready and node_name and ep.node_name == node_name
         }
         counts[svc.key] = len(ips)

@@ -51,6 +51,8 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class ServicePort:
+    """One ``spec.ports[]`` entry; ``node_port`` 0 means none was allocated."""
+
     name: str
     protocol: str
     port: int
@@ -60,6 +62,8 @@ class ServicePort:
 
 @dataclass(frozen=True, slots=True)
 class Service:
+    """A v1 Service with the API server's defaults already applied."""
+
     namespace: str
     name: str
     type: ServiceType
@@ -114,6 +118,8 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class EndpointPort:
+    """A slice port; it serves the service port with the same name and protocol."""
+
     name: str
     port: int
     protocol: str = "TCP"
@@ -121,6 +127,8 @@ class EndpointPort:
 
 @dataclass(frozen=True, slots=True)
 class EndpointSlice:
+    """A discovery.k8s.io/v1 EndpointSlice, linked by ``service_name`` (its label)."""
+
     namespace: str
     name: str
     service_name: str
@@ -151,26 +159,37 @@ class Snapshot:
     _slices_by_service: dict[str, tuple[EndpointSlice, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _services_by_key: dict[str, Service] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _nodes_by_name: dict[str, Node] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
+        # Indexed once per snapshot so lookups stay O(1) with 10k services;
+        # the first of any repeated name wins, as a linear scan would.
         index: dict[str, list[EndpointSlice]] = {}
         for s in self.slices:
             index.setdefault(s.service_key, []).append(s)
         object.__setattr__(
             self, "_slices_by_service", {k: tuple(v) for k, v in index.items()}
         )
+        services: dict[str, Service] = {}
+        for svc in self.services:
+            services.setdefault(svc.key, svc)
+        object.__setattr__(self, "_services_by_key", services)
+        nodes: dict[str, Node] = {}
+        for n in self.nodes:
+            nodes.setdefault(n.name, n)
+        object.__setattr__(self, "_nodes_by_name", nodes)
 
     def node(self, name: str) -> Node | None:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        return None
+        return self._nodes_by_name.get(name)
 
     def service(self, key: str) -> Service | None:
-        for s in self.services:
-            if s.key == key:
-                return s
-        return None
+        """The service called ``namespace/name``, if the snapshot has it."""
+        return self._services_by_key.get(key)
 
     def slices_for(self, service: Service) -> tuple[EndpointSlice, ...]:
         return self._slices_by_service.get(service.key, ())

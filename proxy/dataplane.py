@@ -1,0 +1,380 @@
+"""The node's NodePort dataplane: snapshots in, listeners and relays out.
+
+Owns: turning each published ``Snapshot`` into this node's decision table
+(``decision.build_plans``) and reconciling the listening sockets to match,
+like kube-proxy's sync loop; the per-service-port balancers (kept across
+syncs so ClientIP affinity survives reloads); the transparent return path
+for the process's lifetime; and the SIGTERM sequence (stop accepting, drain,
+close).
+
+Never: parse state, handle signals, block the event loop for long (``apply``
+only binds sockets and swaps dicts), or let one bad listener stop the others:
+a bind or filter failure is logged with service, address and port, and
+retried every ``retry_interval`` and on the next sync.
+
+Per (address, nodePort), from the plan:
+
+- ``plan.listen`` False (no endpoint anywhere): no socket at all, so the
+  kernel answers RST (REJECT, kpx decision 2);
+- ``plan.drop_external``: the socket stays and the SYN filter goes on, on
+  node-IP listeners only (127.0.0.1's sources are always local); it comes
+  off when local endpoints come back (DROP, kpx decision 1);
+- otherwise a plain listener.
+
+Addresses are the Node object's (IPv4) addresses plus 127.0.0.1, both
+restricted by ``--nodeport-addresses`` as in kube-proxy: a node IP only
+inside one of the CIDRs, 127.0.0.1 only if a CIDR contains it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import resource
+from collections.abc import Iterable
+
+from proxy import metrics, synfilter
+from proxy.balancer import Balancer
+from proxy.decision import PortPlan, build_plans
+from proxy.forwarder import Forwarder, PortMetrics, PortState
+from proxy.listener import Listener
+from proxy.model import Snapshot
+from proxy.transparent import RoutingConfig, TransparentRouting
+
+log = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+ListenerKey = tuple[str, int]
+
+
+def default_max_connections() -> int:
+    """Half the fds we may open, less a reserve: each relay holds two."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 0
+    return max(16, (soft - 128) // 2)
+
+
+def listen_addresses(
+    node_ips: Iterable[str], nodeport_cidrs: Iterable[Network] | None, bind_localhost: bool
+) -> list[str]:
+    """Where NodePorts listen: node IPs and 127.0.0.1, filtered as kube-proxy does."""
+    cidrs = list(nodeport_cidrs or ())
+    candidates = list(dict.fromkeys(node_ips))
+    if bind_localhost and LOCALHOST not in candidates:
+        candidates.append(LOCALHOST)
+    if not cidrs:
+        return candidates
+    out = []
+    for a in candidates:
+        ip = ipaddress.ip_address(a)
+        if any(ip.version == c.version and ip in c for c in cidrs):
+            out.append(a)
+    return out
+
+
+class Dataplane:
+    """All NodePort listeners and relays of one node (one kpx process).
+
+    Construct it on the event loop's thread. With ``transparent=True`` the
+    return-path routing is installed here, in the current network namespace,
+    and removed by ``close()``.
+    """
+
+    def __init__(
+        self,
+        node_name: str,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        nodeport_cidrs: Iterable[str | Network] | None = None,
+        masquerade_all: bool = False,
+        transparent: bool = False,
+        bind_localhost: bool = True,
+        connect_timeout: float = 2.0,
+        reuse_port: bool = False,
+        backlog: int = 1024,
+        max_connections: int | None = None,
+        retry_interval: float = 1.0,
+        routing: RoutingConfig | None = None,
+        cluster_cidrs: Iterable[str | Network] | None = None,
+    ) -> None:
+        self.node_name = node_name
+        self.loop = loop
+        self.nodeport_cidrs: list[Network] | None = (
+            [ipaddress.ip_network(c, strict=False) for c in nodeport_cidrs]
+            if nodeport_cidrs else None
+        )
+        self.masquerade_all = masquerade_all
+        self.bind_localhost = bind_localhost
+        self.reuse_port = reuse_port
+        self.backlog = backlog
+        self.retry_interval = retry_interval
+
+        self._routing: TransparentRouting | None = None
+        transparent_ok = False
+        if transparent:
+            self._routing = TransparentRouting(routing)
+            transparent_ok = self._routing.install()
+        self.forwarder = Forwarder(
+            loop,
+            connect_timeout=connect_timeout,
+            transparent=transparent_ok,
+            max_connections=default_max_connections() if max_connections is None
+            else max_connections,
+        )
+        self.forwarder.on_room = self._resume_blocked
+        self.forwarder.cluster_cidrs = tuple(
+            ipaddress.ip_network(c, strict=False) for c in cluster_cidrs or ()
+        )
+
+        self._balancers: dict[str, Balancer] = {}
+        self._metrics: dict[str, PortMetrics] = {}
+        self._plans: dict[int, PortPlan] = {}
+        self._node_ips: tuple[str, ...] = ()
+        self._program: list[synfilter.Instruction] | None = None
+        self._desired: dict[ListenerKey, bool] = {}
+        self._listeners: dict[ListenerKey, Listener] = {}
+        self._failed: dict[ListenerKey, str] = {}
+        self._blocked: set[Listener] = set()
+        self._retry_handle: asyncio.TimerHandle | None = None
+        self._accepting = True
+        self._closed = False
+        self._warned_no_node = False
+        self.generation = -1
+
+    # -- public API --------------------------------------------------------------
+
+    @property
+    def transparent_active(self) -> bool:
+        return self.forwarder.transparent
+
+    @property
+    def local_addresses(self) -> tuple[str, ...]:
+        return self._node_ips
+
+    def active_connections(self) -> int:
+        return len(self.forwarder.active)
+
+    def plans(self) -> dict[int, PortPlan]:
+        return dict(self._plans)
+
+    def listeners(self) -> list[tuple[str, int, str]]:
+        """``(address, port, state)`` for every wanted listener, sorted.
+
+        States: serving, dropping, paused, or ``error: <why>`` when binding or
+        filtering failed and is being retried.
+        """
+        out = [(a, p, lis.state) for (a, p), lis in self._listeners.items()]
+        out += [(a, p, f"error: {why}") for (a, p), why in self._failed.items()]
+        return sorted(out)
+
+    def apply(self, snapshot: Snapshot) -> None:
+        """Sync to ``snapshot``: swap the decision table, reconcile listeners."""
+        if self._closed:
+            return
+        self.generation = snapshot.generation
+        node = snapshot.node(self.node_name)
+        if node is None:
+            if not self._warned_no_node:
+                log.warning(
+                    "node %r is not in the state (generation %d): listening on localhost only",
+                    self.node_name, snapshot.generation,
+                )
+                self._warned_no_node = True
+            node_ips: tuple[str, ...] = ()
+        else:
+            self._warned_no_node = False
+            node_ips = tuple(ip for ip in node.ips if ipaddress.ip_address(ip).version == 4)
+            if len(node_ips) != len(node.ips):
+                log.debug("node %s: IPv6 addresses ignored (IPv4 only)", self.node_name)
+
+        plans = build_plans(snapshot, self.node_name, self.masquerade_all)
+        self._swap_plans(plans)
+
+        if node_ips != self._node_ips:
+            self._node_ips = node_ips
+            self.forwarder.local_addresses = frozenset(node_ips)
+            try:
+                self._program = synfilter.syn_drop_program(node_ips)
+            except ValueError as exc:
+                log.error("node %s: cannot build the SYN filter: %s", self.node_name, exc)
+                self._program = None
+
+        addrs = listen_addresses(node_ips, self.nodeport_cidrs, self.bind_localhost)
+        self._desired = {
+            (a, port): plan.drop_external and not a.startswith("127.")
+            for port, plan in plans.items()
+            if plan.listen
+            for a in addrs
+        }
+        self._reconcile()
+
+        # SYNC_DURATION / SYNC_LAST_TIMESTAMP are observed around apply() by
+        # proxy.node.timed_reader, which also times the other readers' view.
+        metrics.NO_LOCAL_ENDPOINTS.labels("external").set(
+            sum(1 for p in plans.values() if p.drop_external)
+        )
+
+    async def stop_accepting(self) -> None:
+        """Close every listener (SIGTERM step 1); relays keep running."""
+        self._accepting = False
+        self._cancel_retry()
+        for lis in self._listeners.values():
+            lis.close()
+        self._listeners.clear()
+        self._failed.clear()
+        self._blocked.clear()
+        self._update_gauge()
+
+    async def drain(self, grace: float) -> int:
+        """Wait up to ``grace`` seconds for relays to end, then RST the rest.
+
+        Returns how many connections had to be reset.
+        """
+        n = len(self.forwarder.active)
+        if n:
+            log.info("draining %d connection(s) for up to %.1fs", n, grace)
+        if await self.forwarder.wait_idle(grace):
+            return 0
+        aborted = self.forwarder.abort_all()
+        log.warning("grace period over: reset %d connection(s)", aborted)
+        # Let the resets' connection_lost callbacks run (bounded).
+        await self.forwarder.wait_idle(1.0)
+        return aborted
+
+    def close(self) -> None:
+        """Release everything: listeners, connections (RST), routing. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._accepting = False
+        self._cancel_retry()
+        for lis in self._listeners.values():
+            lis.close()
+        self._listeners.clear()
+        self._failed.clear()
+        self._blocked.clear()
+        self.forwarder.abort_all()
+        if self._routing is not None:
+            self._routing.remove()
+            self.forwarder.transparent = False
+        self._update_gauge()
+
+    # -- reconciliation ----------------------------------------------------------
+
+    def _swap_plans(self, plans: dict[int, PortPlan]) -> None:
+        ports: dict[int, PortState] = {}
+        for port, plan in plans.items():
+            key = plan.key
+            balancer = self._balancers.get(key)
+            if balancer is None:
+                balancer = self._balancers[key] = Balancer()
+            m = self._metrics.get(key)
+            if m is None:
+                m = self._metrics[key] = PortMetrics(key)
+            ports[port] = PortState(plan, balancer, m)
+        # One assignment: a connection accepted from here on sees the new
+        # table, one accepted before keeps the PortState it started with.
+        self.forwarder.ports = ports
+        self._plans = plans
+        live = {p.key for p in plans.values()}
+        for key in [k for k in self._balancers if k not in live]:
+            del self._balancers[key]
+
+    def _reconcile(self) -> None:
+        if not self._accepting:
+            return
+        for key in [k for k in self._listeners if k not in self._desired]:
+            lis = self._listeners.pop(key)
+            lis.close()
+            self._blocked.discard(lis)
+            log.info("closed listener %s:%d (%s)", key[0], key[1], lis.label)
+        for key in [k for k in self._failed if k not in self._desired]:
+            del self._failed[key]
+
+        retry = False
+        for key, drop in self._desired.items():
+            addr, port = key
+            plan = self._plans[port]
+            program = self._program if drop else None
+            if drop and program is None:
+                # No valid filter for these addresses: serving is the safer
+                # failure than dropping node-originated traffic too.
+                self._note_failure(key, plan, "no SYN filter (see earlier error)")
+                retry = True
+                program = None
+            lis = self._listeners.get(key)
+            try:
+                if lis is None:
+                    lis = Listener(
+                        self.loop, addr, port, self.forwarder.on_accept,
+                        admit=self.forwarder.has_capacity, on_blocked=self._blocked.add,
+                        backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
+                    )
+                    lis.open(program)
+                    self._listeners[key] = lis
+                    log.info("listening on %s:%d for %s%s", addr, port, plan.key,
+                             " (dropping external SYNs)" if program else "")
+                else:
+                    lis.label = plan.key
+                    was = lis.dropping
+                    lis.set_filter(program)
+                    if was != lis.dropping:
+                        log.info("%s:%d (%s): %s", addr, port, plan.key,
+                                 "dropping external SYNs: no local endpoint" if lis.dropping
+                                 else "local endpoints back: accepting external SYNs")
+            except OSError as exc:
+                self._note_failure(key, plan, exc.strerror or str(exc), exc)
+                retry = True
+                continue
+            if not (drop and self._program is None):
+                self._failed.pop(key, None)
+        if retry:
+            self._schedule_retry()
+        self._update_gauge()
+
+    def _note_failure(
+        self, key: ListenerKey, plan: PortPlan, why: str, exc: OSError | None = None
+    ) -> None:
+        # Log when a failure starts or changes, not on every retry.
+        if self._failed.get(key) != why:
+            what = "listen on" if key not in self._listeners else "set the SYN filter on"
+            log.warning(
+                "%s: cannot %s %s:%d: %s%s; retrying every %.1fs",
+                plan.key, what, key[0], key[1], why,
+                f" (errno {exc.errno})" if exc is not None and exc.errno else "",
+                self.retry_interval,
+            )
+        self._failed[key] = why
+
+    def _schedule_retry(self) -> None:
+        if self._retry_handle is None and not self._closed:
+            self._retry_handle = self.loop.call_later(self.retry_interval, self._retry)
+
+    def _cancel_retry(self) -> None:
+        if self._retry_handle is not None:
+            self._retry_handle.cancel()
+            self._retry_handle = None
+
+    def _retry(self) -> None:
+        self._retry_handle = None
+        if self._failed and self._accepting and not self._closed:
+            self._reconcile()
+
+    def _resume_blocked(self) -> None:
+        if not self._blocked:
+            return
+        blocked, self._blocked = self._blocked, set()
+        for lis in blocked:
+            lis.resume()
+
+    def _update_gauge(self) -> None:
+        counts = {"serving": 0, "dropping": 0, "paused": 0}
+        for lis in self._listeners.values():
+            st = lis.state
+            if st in counts:
+                counts[st] += 1
+        for state, n in counts.items():
+            metrics.LISTENERS.labels(state).set(n)

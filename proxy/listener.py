@@ -1,0 +1,234 @@
+"""One NodePort listening socket and its accept loop.
+
+Owns: the socket bound to one ``(address, nodePort)``: open, SYN filter on
+or off, accept with back-off, pause and resume, close. Every accepted socket
+goes, still raw, to the ``on_accept`` callback.
+
+Never: decide anything about a connection, read from it, or keep it.
+Closing a Listener leaves no LISTEN socket behind: it owns the only fd.
+
+Why not ``loop.create_server(sock=...)``: measured on uvloop 0.23 (see
+tests/dataplane/test_listener.py and the dataplane report):
+
+- uvloop does not dup the passed fd. It closes it synchronously in
+  ``Server.close()`` and ``detach()``es the Python socket, so that part is
+  fine; but
+- on EMFILE/ENFILE libuv's "emfile trick" accepts and immediately closes
+  every pending connection (clients see connect-OK then EOF: the
+  accept-then-close kube-proxy forbids), and on other accept errors uvloop
+  silently closes the whole listener (``UVStreamServer._fatal_error``);
+- ``pause_reading()`` in ``connection_made`` is ignored (uvloop starts
+  reading right after it), so the client would be read before its upstream
+  exists.
+
+Our own loop (``add_reader`` + ``accept()``) leaves connections in the
+kernel's accept queue while we back off, and the client socket becomes a
+transport only once its upstream is connected. It measured no slower.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from collections.abc import Callable
+
+from proxy import synfilter
+
+log = logging.getLogger(__name__)
+
+ACCEPT_BATCH = 64
+"""Accepts per readiness callback: bounded so one busy port cannot starve the loop."""
+BACKOFF_MIN = 0.05
+BACKOFF_MAX = 2.0
+
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+OnAccept = Callable[[socket.socket, tuple[str, int], int], None]
+"""``on_accept(sock, (client_ip, client_port), node_port)``."""
+
+
+class Listener:
+    """A listening socket on one address and NodePort.
+
+    States: ``serving`` (accepting, no filter), ``dropping`` (accepting,
+    external SYNs dropped in the kernel), ``paused`` (not accepting for a
+    while: resource back-off or at capacity; the kernel keeps queueing),
+    ``closed``.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        address: str,
+        port: int,
+        on_accept: OnAccept,
+        admit: Callable[[], bool] = lambda: True,
+        on_blocked: Callable[[Listener], None] = lambda _: None,
+        backlog: int = 1024,
+        reuse_port: bool = False,
+        label: str = "",
+    ) -> None:
+        self.loop = loop
+        self.address = address
+        self.port = port
+        self.label = label
+        self._on_accept = on_accept
+        self._admit = admit
+        self._on_blocked = on_blocked
+        self._backlog = backlog
+        self._reuse_port = reuse_port
+        self._sock: socket.socket | None = None
+        self._fd = -1
+        self._reading = False
+        self._filter: list[synfilter.Instruction] | None = None
+        self._backoff = 0.0
+        self._resume_handle: asyncio.TimerHandle | None = None
+        self._errors_in_episode = 0
+        self.blocked = False
+        """Paused because the dataplane is at its connection limit."""
+
+    def __repr__(self) -> str:
+        return f"<Listener {self.address}:{self.port} {self.state}>"
+
+    @property
+    def state(self) -> str:
+        if self._sock is None:
+            return "closed"
+        if not self._reading:
+            return "paused"
+        return "dropping" if self._filter is not None else "serving"
+
+    @property
+    def dropping(self) -> bool:
+        return self._filter is not None
+
+    @property
+    def sock(self) -> socket.socket | None:
+        return self._sock
+
+    def open(self, program: list[synfilter.Instruction] | None = None) -> None:
+        """Bind, optionally filter, listen and start accepting. Raises OSError.
+
+        The filter goes on before ``listen()`` so no external SYN can slip
+        through in between.
+        """
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._reuse_port:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.setblocking(False)
+            s.bind((self.address, self.port))
+            if program is not None:
+                synfilter.attach(s, program)
+            s.listen(self._backlog)
+        except BaseException:
+            s.close()
+            raise
+        self._sock = s
+        self._fd = s.fileno()
+        self._filter = program
+        self._start_reading()
+
+    def set_filter(self, program: list[synfilter.Instruction] | None) -> None:
+        """Attach, replace (``program``) or detach (None) the SYN filter. Raises OSError."""
+        if self._sock is None or program == self._filter:
+            return
+        if program is None:
+            synfilter.detach(self._sock)
+        else:
+            synfilter.attach(self._sock, program)
+        self._filter = program
+
+    def close(self) -> None:
+        """Stop accepting and close the socket; the kernel RSTs queued connections."""
+        self._cancel_resume()
+        self._stop_reading()
+        self.blocked = False
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self._fd = -1
+
+    def resume(self) -> None:
+        """Resume accepting after ``blocked`` (the dataplane has room again)."""
+        if self.blocked:
+            self.blocked = False
+            self._start_reading()
+
+    # -- the accept loop ------------------------------------------------------
+
+    def _start_reading(self) -> None:
+        if self._sock is not None and not self._reading:
+            self.loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            # Before close(): libuv must stop polling an fd before it is freed.
+            self.loop.remove_reader(self._fd)
+            self._reading = False
+
+    def _cancel_resume(self) -> None:
+        if self._resume_handle is not None:
+            self._resume_handle.cancel()
+            self._resume_handle = None
+
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(ACCEPT_BATCH):
+            if not self._admit():
+                # At the connection limit: leave new clients in the kernel's
+                # accept queue (they wait, they are not refused) until the
+                # dataplane calls resume().
+                self._stop_reading()
+                self.blocked = True
+                self._on_blocked(self)
+                return
+            try:
+                conn, addr = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                self._accept_failed(exc)
+                return
+            self._on_accept(conn, addr, self.port)
+        if self._backoff:
+            if self._errors_in_episode > 1:
+                log.info(
+                    "%s:%d accepting again after %d resource errors",
+                    self.address, self.port, self._errors_in_episode,
+                )
+            self._backoff = 0.0
+            self._errors_in_episode = 0
+
+    def _accept_failed(self, exc: OSError) -> None:
+        self._stop_reading()
+        self._errors_in_episode += 1
+        if exc.errno in RESOURCE_ERRNOS:
+            # Spinning on a readable socket that cannot be accepted would burn
+            # a core; pause with exponential back-off, log once per episode.
+            self._backoff = min(BACKOFF_MAX, max(BACKOFF_MIN, self._backoff * 2))
+            if self._errors_in_episode == 1:
+                log.warning(
+                    "%s:%d (%s) accept failed: %s; backing off (up to %.1fs between attempts)",
+                    self.address, self.port, self.label, exc, BACKOFF_MAX,
+                )
+        else:
+            self._backoff = BACKOFF_MAX
+            log.error(
+                "%s:%d (%s) unexpected accept error: %s; retrying in %.1fs",
+                self.address, self.port, self.label, exc, self._backoff,
+            )
+        self._resume_handle = self.loop.call_later(self._backoff, self._resume_after_backoff)
+
+    def _resume_after_backoff(self) -> None:
+        self._resume_handle = None
+        if not self.blocked:
+            self._start_reading()

@@ -1,0 +1,153 @@
+"""DROP without a firewall: a classic BPF filter that discards pure SYNs.
+
+Owns: building the cBPF program (a pure function, so its bytes are unit
+tested) and attaching it to / detaching it from one listening socket.
+
+Never: decide *when* to drop (``decision.PortPlan.drop_external`` does),
+touch netfilter, or attach to a loopback listener (its sources are always
+local, so there is nothing to drop there).
+
+Why this works (kpx decision 1): ``tcp_v4_rcv()`` runs the listener's socket
+filter before any request socket exists, so a SYN the filter rejects gets
+neither SYN-ACK nor RST and the client's connect times out, exactly like
+kube-proxy's ``DROP``. The filter must match only *pure* SYNs: the final ACK
+of an in-flight handshake also passes the listener's filter, and accepted
+children inherit it. SYNs from the node's own addresses (and 127.0.0.0/8)
+pass, because node-originated traffic gets Cluster semantics even under
+eTP=Local. Attach and detach are atomic; no listener restart is needed.
+
+For a TCP socket, absolute loads are relative to the TCP header; the IPv4
+source address is reached through the ancillary ``SKF_NET_OFF`` base.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import ipaddress
+import socket
+import struct
+from collections.abc import Iterable
+
+SO_ATTACH_FILTER = 26
+SO_DETACH_FILTER = 27
+SKF_NET_OFF = -0x100000
+
+# cBPF opcodes (linux/filter.h, linux/bpf_common.h).
+BPF_LD_W_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS
+BPF_LD_B_ABS = 0x30  # BPF_LD | BPF_B | BPF_ABS
+BPF_ALU_AND_K = 0x54  # BPF_ALU | BPF_AND | BPF_K
+BPF_JMP_JEQ_K = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+BPF_RET_K = 0x06  # BPF_RET | BPF_K
+
+TCP_FLAGS_OFFSET = 13
+TCP_SYN = 0x02
+TCP_ACK = 0x10
+IPV4_SRC_OFFSET = 12
+ACCEPT = 0xFFFFFFFF
+DROP = 0
+
+MAX_ADDRESSES = 240
+"""Conditional jumps reach at most 255 instructions ahead; stay well inside."""
+
+Instruction = tuple[int, int, int, int]
+"""``struct sock_filter``: (code, jt, jf, k)."""
+
+_INSN = struct.Struct("HBBI")
+
+
+def _u32(value: int) -> int:
+    return value & 0xFFFFFFFF
+
+
+def syn_drop_program(local_addresses: Iterable[str]) -> list[Instruction]:
+    """The filter for a listener whose external SYNs must be dropped.
+
+    Accepts every packet whose IPv4 source is one of ``local_addresses`` or in
+    127.0.0.0/8, then drops pure SYNs (SYN set, ACK clear) and accepts the
+    rest. IPv6 addresses are ignored: kpx listens on IPv4 only.
+    """
+    addrs: list[int] = []
+    for a in dict.fromkeys(local_addresses):
+        ip = ipaddress.ip_address(a)
+        if ip.version == 4:
+            addrs.append(int(ip))
+    if len(addrs) > MAX_ADDRESSES:
+        raise ValueError(
+            f"{len(addrs)} local addresses; a SYN filter holds at most {MAX_ADDRESSES}"
+        )
+
+    n = len(addrs)
+    # Layout: [0] load source, [1..n] address tests, [n+1..n+2] 127/8 test,
+    # [n+3..n+5] pure-SYN test, [n+6] accept, [n+7] drop.
+    accept_at = n + 6
+    prog: list[Instruction] = [(BPF_LD_W_ABS, 0, 0, _u32(SKF_NET_OFF + IPV4_SRC_OFFSET))]
+    for i, addr in enumerate(addrs, start=1):
+        prog.append((BPF_JMP_JEQ_K, accept_at - (i + 1), 0, addr))
+    pc = n + 1
+    prog.append((BPF_ALU_AND_K, 0, 0, 0xFF000000))
+    prog.append((BPF_JMP_JEQ_K, accept_at - (pc + 2), 0, 0x7F000000))
+    prog.append((BPF_LD_B_ABS, 0, 0, TCP_FLAGS_OFFSET))
+    prog.append((BPF_ALU_AND_K, 0, 0, TCP_SYN | TCP_ACK))
+    # jt skips the accept instruction and lands on drop.
+    prog.append((BPF_JMP_JEQ_K, 1, 0, TCP_SYN))
+    prog.append((BPF_RET_K, 0, 0, ACCEPT))
+    prog.append((BPF_RET_K, 0, 0, DROP))
+    assert len(prog) == accept_at + 2
+    return prog
+
+
+def program_bytes(program: Iterable[Instruction]) -> bytes:
+    """The program as the kernel's array of ``struct sock_filter``."""
+    return b"".join(_INSN.pack(*insn) for insn in program)
+
+
+def run_program(program: list[Instruction], src_ip: str, tcp_flags: int) -> bool:
+    """Interpret ``program`` for one IPv4 TCP segment; True means accepted.
+
+    A tiny cBPF interpreter covering the opcodes ``syn_drop_program`` emits,
+    so tests can check the program's meaning and not only its bytes.
+    """
+    src = int(ipaddress.IPv4Address(src_ip))
+    acc = 0
+    pc = 0
+    for _ in range(len(program) + 1):
+        code, jt, jf, k = program[pc]
+        if code == BPF_LD_W_ABS:
+            if k != _u32(SKF_NET_OFF + IPV4_SRC_OFFSET):
+                raise ValueError(f"unsupported load offset {k:#x}")
+            acc = src
+        elif code == BPF_LD_B_ABS:
+            if k != TCP_FLAGS_OFFSET:
+                raise ValueError(f"unsupported byte load offset {k}")
+            acc = tcp_flags & 0xFF
+        elif code == BPF_ALU_AND_K:
+            acc &= k
+        elif code == BPF_JMP_JEQ_K:
+            pc += jt if acc == k else jf
+        elif code == BPF_RET_K:
+            return k != 0
+        else:
+            raise ValueError(f"unsupported opcode {code:#x}")
+        pc += 1
+    raise ValueError("program does not terminate")
+
+
+def attach(sock: socket.socket, program: list[Instruction]) -> None:
+    """Attach (or atomically replace) ``sock``'s filter. Raises OSError."""
+    raw = program_bytes(program)
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    # struct sock_fprog { unsigned short len; struct sock_filter *filter; }:
+    # native alignment pads the short to the pointer, as the kernel expects.
+    fprog = struct.pack("HL", len(program), ctypes.addressof(buf))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+
+
+def detach(sock: socket.socket) -> None:
+    """Remove ``sock``'s filter; a socket without one is left as it is."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise
+
