@@ -133,6 +133,11 @@ async def serve(args: argparse.Namespace) -> int:
     )
     hub.subscribe(timed_reader(dataplane.apply))
 
+    # Apply the first state before healthz opens, so that a node answering
+    # /healthz is a node whose NodePorts are already listening.
+    source = StateFileSource(args.state, hub)
+    source.load()
+
     sidecar = None
     if not args.no_healthz:
         from healthz.sidecar import Sidecar
@@ -146,7 +151,6 @@ async def serve(args: argparse.Namespace) -> int:
         )
         await sidecar.start()
 
-    source = StateFileSource(args.state, hub)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)

@@ -1,0 +1,406 @@
+"""A small endpoints controller and API-server stand-in for the lab.
+
+Owns, as pure functions:
+
+- API-server defaulting and allocation for Services (``resolve_services``):
+  type/protocol/targetPort/policy defaults, a ClusterIP, nodePorts and the
+  healthCheckNodePort, allocated deterministically and *kept across updates*
+  exactly as the API server's ``patchAllocatedValues`` keeps them.
+- What the EndpointSlice controller publishes for those Services and the
+  lab's pods (``endpoint_slices``), field for field.
+- The v1 Node objects of the lab's nodes (``node_objects``) and the state
+  document list every ``kpx node`` reads (``state_documents``).
+
+Never: do I/O, read the clock or hold state. Times come in as arguments, so
+tests can check a slice byte for byte. Writing the state file lives in
+``lab.statefile``.
+
+The EndpointSlice rules mirrored here (``k8s.io/endpointslice``, reconciler
+and ``podToEndpoint``), because kpx's behaviour is only as right as its
+input:
+
+- every pod with an IP that matches the selector is published, terminating
+  ones included (``ShouldPodBeInEndpoints(pod, true)``);
+- ``serving`` is the pod's Ready condition, ``terminating`` is "has a
+  deletionTimestamp", and ``ready = publishNotReadyAddresses or (serving and
+  not terminating)``: a terminating pod is never ready unless the service
+  publishes not-ready addresses;
+- ports are the service ports with the targetPort resolved against the pod
+  (a named targetPort the pod lacks drops that port for that pod); pods with
+  the same resolved ports share slices, at most 100 endpoints per slice;
+- a selector service with no matching pods still gets one empty
+  (placeholder) slice, so consumers can tell "no endpoints" from "unknown";
+- services without a selector, and ExternalName services, get no slices.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import ipaddress
+import json
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from lab.spec import NODE_PORT_MAX, NODE_PORT_MIN, service_key
+
+MAX_ENDPOINTS_PER_SLICE = 100
+MANAGED_BY = "endpointslice-controller.k8s.io"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+SERVICE_CIDR = ipaddress.ip_network("10.96.0.0/16")
+DEFAULT_AFFINITY_SECONDS = 10800
+_UID_NAMESPACE = uuid.UUID("6f1c8c1e-5b1a-4f3e-9a4e-6b7061726b78")
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the controller needs to know about a running lab pod."""
+
+    name: str
+    node: str
+    ip: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    port: int = 8080
+    port_name: str | None = None
+    ready: bool = True
+    terminating: bool = False
+    namespace: str = "default"
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    ip: str
+    pod_cidr: str
+
+
+# --- the API server's part ---------------------------------------------------------
+
+
+def _stable_uid(kind: str, key: str) -> str:
+    return str(uuid.uuid5(_UID_NAMESPACE, f"{kind}/{key}"))
+
+
+def _hash_int(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _needs_node_ports(spec: Mapping[str, Any]) -> bool:
+    if spec.get("type") == "NodePort":
+        return True
+    return spec.get("type") == "LoadBalancer" and spec.get("allocateLoadBalancerNodePorts",
+                                                            True) is not False
+
+
+def _needs_hc_port(spec: Mapping[str, Any]) -> bool:
+    return spec.get("type") == "LoadBalancer" and spec.get("externalTrafficPolicy") == "Local"
+
+
+def default_service(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill in what the API server defaults on create (no allocation)."""
+    svc = copy.deepcopy(dict(obj))
+    meta = svc.setdefault("metadata", {})
+    meta.setdefault("namespace", "default")
+    spec = svc.setdefault("spec", {})
+    spec.setdefault("type", "ClusterIP")
+    spec.setdefault("sessionAffinity", "None")
+    if spec["sessionAffinity"] == "ClientIP":
+        cfg = spec.setdefault("sessionAffinityConfig", {}).setdefault("clientIP", {})
+        cfg.setdefault("timeoutSeconds", DEFAULT_AFFINITY_SECONDS)
+    if spec["type"] != "ExternalName":
+        spec.setdefault("internalTrafficPolicy", "Cluster")
+    if spec["type"] in ("NodePort", "LoadBalancer"):
+        spec.setdefault("externalTrafficPolicy", "Cluster")
+    if spec["type"] == "LoadBalancer":
+        spec.setdefault("allocateLoadBalancerNodePorts", True)
+    ports = []
+    for p in spec.get("ports") or []:
+        p = dict(p)
+        p.setdefault("protocol", "TCP")
+        p.setdefault("targetPort", p.get("port"))
+        if not _needs_node_ports(spec):
+            # Switching to ClusterIP drops nodePorts, as the API server does.
+            p.pop("nodePort", None)
+        ports.append(p)
+    if "ports" in spec or ports:
+        spec["ports"] = ports
+    if not _needs_hc_port(spec):
+        spec.pop("healthCheckNodePort", None)
+    return svc
+
+
+def resolve_services(services: Iterable[Mapping[str, Any]],
+                     previous: Mapping[str, Mapping[str, Any]] | None = None
+                     ) -> list[dict[str, Any]]:
+    """Defaults plus allocation: the Services as ``kubectl get -o yaml`` would show them.
+
+    *previous* maps ``namespace/name`` to the resolved object of the last
+    round. Values the user leaves out are taken from it (nodePorts matched by
+    port name, the healthCheckNodePort, clusterIP, uid), so an apply that
+    does not mention nodePorts never moves them: a moving nodePort would
+    silently break every LB pointing at the old one. Fresh values are
+    allocated from a hash of the service key, then the next free port, so
+    the same lab file always gets the same ports.
+    """
+    previous = previous or {}
+    resolved = [default_service(s) for s in services]
+    resolved.sort(key=service_key)
+
+    # Values the user gave, or that the previous round allocated, are taken.
+    used_ports: set[int] = set()
+    used_ips: set[str] = set()
+    for svc in resolved:
+        spec = svc["spec"]
+        used_ports.update(p["nodePort"] for p in spec.get("ports", []) if p.get("nodePort"))
+        if spec.get("healthCheckNodePort"):
+            used_ports.add(spec["healthCheckNodePort"])
+        if spec.get("clusterIP") not in (None, "", "None"):
+            used_ips.add(spec["clusterIP"])
+
+    for svc in resolved:
+        key = service_key(svc)
+        spec = svc["spec"]
+        old = previous.get(key)
+        old_spec = (old or {}).get("spec", {})
+        meta = svc["metadata"]
+        meta.setdefault("uid", (old or {}).get("metadata", {}).get("uid")
+                        or _stable_uid("Service", key))
+        if _needs_node_ports(spec) and _needs_node_ports(old_spec):
+            old_by_name = {p.get("name", ""): p.get("nodePort")
+                           for p in old_spec.get("ports", [])}
+            for p in spec["ports"]:
+                np = old_by_name.get(p.get("name", ""))
+                if not p.get("nodePort") and np and np not in used_ports:
+                    p["nodePort"] = np
+                    used_ports.add(np)
+        if (_needs_hc_port(spec) and _needs_hc_port(old_spec)
+                and not spec.get("healthCheckNodePort")):
+            hc = old_spec.get("healthCheckNodePort")
+            if hc and hc not in used_ports:
+                spec["healthCheckNodePort"] = hc
+                used_ports.add(hc)
+        if spec["type"] != "ExternalName" and not spec.get("clusterIP"):
+            ip = old_spec.get("clusterIP")
+            if ip and ip != "None" and ip not in used_ips:
+                spec["clusterIP"] = ip
+                used_ips.add(ip)
+
+    for svc in resolved:
+        key = service_key(svc)
+        spec = svc["spec"]
+        if _needs_node_ports(spec):
+            for i, p in enumerate(spec["ports"]):
+                if not p.get("nodePort"):
+                    p["nodePort"] = _allocate_port(f"{key}/{p.get('name') or i}", used_ports)
+        if _needs_hc_port(spec) and not spec.get("healthCheckNodePort"):
+            spec["healthCheckNodePort"] = _allocate_port(f"{key}/healthCheckNodePort",
+                                                         used_ports)
+        if spec["type"] != "ExternalName":
+            if not spec.get("clusterIP"):
+                spec["clusterIP"] = _allocate_ip(key, used_ips)
+            spec["clusterIPs"] = [spec["clusterIP"]]
+            if spec["clusterIP"] != "None":
+                spec.setdefault("ipFamilies", ["IPv4"])
+                spec.setdefault("ipFamilyPolicy", "SingleStack")
+    return resolved
+
+
+def _allocate_port(seed: str, used: set[int]) -> int:
+    span = NODE_PORT_MAX - NODE_PORT_MIN + 1
+    start = _hash_int(seed) % span
+    for i in range(span):
+        port = NODE_PORT_MIN + (start + i) % span
+        if port not in used:
+            used.add(port)
+            return port
+    raise ValueError("the nodePort range 30000-32767 is exhausted")
+
+
+def _allocate_ip(seed: str, used: set[str]) -> str:
+    base = int(SERVICE_CIDR.network_address)
+    span = SERVICE_CIDR.num_addresses
+    start = _hash_int(seed) % span
+    for i in range(span):
+        offset = (start + i) % span
+        if offset < 10 or offset == span - 1:  # network, .1 (kubernetes), broadcast
+            continue
+        ip = str(ipaddress.ip_address(base + offset))
+        if ip not in used:
+            used.add(ip)
+            return ip
+    raise ValueError("the service CIDR is exhausted")
+
+
+# --- the EndpointSlice controller's part -------------------------------------------
+
+
+def _selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _resolve_ports(svc: Mapping[str, Any], pod: PodState) -> tuple[tuple[str, int, str], ...]:
+    """``getEndpointPorts``: service ports with targetPort resolved against *pod*.
+
+    A numeric targetPort is used as is (the pod need not declare it); a named
+    one must match the pod's container port name, else that port is skipped
+    for this pod, as ``podutil.FindPort`` makes the controller do.
+    """
+    out = []
+    for p in svc["spec"].get("ports", []):
+        tp = p.get("targetPort", p.get("port"))
+        if isinstance(tp, str):
+            if pod.port_name != tp:
+                continue
+            tp = pod.port
+        out.append((p.get("name", ""), int(tp), p.get("protocol", "TCP")))
+    return tuple(out)
+
+
+def _endpoint(svc: Mapping[str, Any], pod: PodState) -> dict[str, Any]:
+    serving = pod.ready
+    terminating = pod.terminating
+    publish = bool(svc["spec"].get("publishNotReadyAddresses", False))
+    ready = publish or (serving and not terminating)
+    return {
+        "addresses": [pod.ip],
+        "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
+        "nodeName": pod.node,
+        "targetRef": {"kind": "Pod", "namespace": pod.namespace, "name": pod.name,
+                      "uid": pod.uid or _stable_uid("Pod", f"{pod.namespace}/{pod.name}")},
+    }
+
+
+def _slice_name(svc_name: str, seed: str) -> str:
+    """generateName ``<service>-`` plus 5 characters, here from a hash, not a RNG."""
+    alphabet = "bcdfghjklmnpqrstvwxz2456789"  # the apiserver's generateName alphabet
+    n = _hash_int(seed)
+    suffix = ""
+    for _ in range(5):
+        n, r = divmod(n, len(alphabet))
+        suffix += alphabet[r]
+    return f"{svc_name[:57]}-{suffix}"
+
+
+def endpoint_slices(services: Sequence[Mapping[str, Any]], pods: Sequence[PodState],
+                    trigger_times: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The discovery.k8s.io/v1 EndpointSlices for resolved *services* and *pods*.
+
+    *trigger_times* maps a service key to an RFC 3339 time for the
+    ``last-change-trigger-time`` annotation (see ``stamp_trigger_times``).
+    """
+    trigger_times = trigger_times or {}
+    out: list[dict[str, Any]] = []
+    for svc in sorted(services, key=service_key):
+        spec = svc["spec"]
+        if spec.get("type") == "ExternalName" or not spec.get("selector"):
+            continue
+        meta = svc["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        key = f"{ns}/{name}"
+        groups: dict[tuple[tuple[str, int, str], ...], list[dict[str, Any]]] = {}
+        for pod in sorted(pods, key=lambda p: (p.namespace, p.name)):
+            if pod.namespace != ns or not _selects(spec["selector"], pod.labels):
+                continue
+            ports = _resolve_ports(svc, pod)
+            if not ports and spec.get("ports"):
+                continue
+            groups.setdefault(ports, []).append(_endpoint(svc, pod))
+        if not groups:
+            groups[()] = []  # the placeholder slice
+        for ports, endpoints in sorted(groups.items()):
+            chunks = [endpoints[i:i + MAX_ENDPOINTS_PER_SLICE]
+                      for i in range(0, len(endpoints), MAX_ENDPOINTS_PER_SLICE)] or [[]]
+            for n, chunk in enumerate(chunks):
+                out.append(_slice(svc, key, ports, chunk, n, trigger_times.get(key)))
+    return out
+
+
+def _slice(svc: Mapping[str, Any], key: str, ports: tuple[tuple[str, int, str], ...],
+           endpoints: list[dict[str, Any]], n: int, trigger: str | None) -> dict[str, Any]:
+    meta = svc["metadata"]
+    labels = dict(meta.get("labels") or {})
+    labels[SERVICE_NAME_LABEL] = meta["name"]
+    labels["endpointslice.kubernetes.io/managed-by"] = MANAGED_BY
+    if svc["spec"].get("clusterIP") == "None":
+        labels["service.kubernetes.io/headless"] = ""
+    slice_meta: dict[str, Any] = {
+        "name": _slice_name(meta["name"], f"{key}/{ports}/{n}"),
+        "namespace": meta["namespace"],
+        "labels": labels,
+        "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": meta["name"],
+                             "uid": meta.get("uid", ""), "controller": True,
+                             "blockOwnerDeletion": True}],
+    }
+    if trigger:
+        slice_meta["annotations"] = {TRIGGER_TIME_ANNOTATION: trigger}
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": slice_meta,
+        "addressType": "IPv4",
+        "endpoints": endpoints,
+        "ports": [{"name": pname, "port": port, "protocol": proto}
+                  for pname, port, proto in ports],
+    }
+
+
+def rfc3339(ts: float) -> str:
+    """A UNIX time as the controller writes it (UTC, 'Z'), with microseconds."""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def slice_fingerprints(slices: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Per service key, a digest of its slices without the trigger-time annotation."""
+    by_svc: dict[str, list[Any]] = {}
+    for s in slices:
+        meta = s["metadata"]
+        key = f"{meta['namespace']}/{meta['labels'][SERVICE_NAME_LABEL]}"
+        body = copy.deepcopy(dict(s))
+        body["metadata"].pop("annotations", None)
+        by_svc.setdefault(key, []).append(body)
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
+            for k, v in by_svc.items()}
+
+
+def stamp_trigger_times(old_fingerprints: Mapping[str, str], old_times: Mapping[str, str],
+                        new_fingerprints: Mapping[str, str], now: float) -> dict[str, str]:
+    """Trigger times after a change: *now* for every service whose slices changed.
+
+    The real controller stamps the time of the pod or service change that
+    caused a slice update; the lab applies changes the moment they happen,
+    so "now" at write time is that moment. Unchanged services keep theirs,
+    which is what keeps kube-proxy's network-programming latency honest.
+    """
+    stamp = rfc3339(now)
+    return {k: (old_times[k] if old_fingerprints.get(k) == fp and k in old_times else stamp)
+            for k, fp in new_fingerprints.items()}
+
+
+# --- nodes and the whole state -----------------------------------------------------
+
+
+def node_objects(nodes: Sequence[NodeInfo]) -> list[dict[str, Any]]:
+    """v1 Nodes as the kubelet registers them: InternalIP and Hostname addresses."""
+    return [{
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": n.name, "uid": _stable_uid("Node", n.name),
+                     "labels": {"kubernetes.io/hostname": n.name, "kubernetes.io/os": "linux"}},
+        "spec": {"podCIDR": n.pod_cidr, "podCIDRs": [n.pod_cidr]},
+        "status": {"addresses": [{"type": "InternalIP", "address": n.ip},
+                                 {"type": "Hostname", "address": n.name}]},
+    } for n in nodes]
+
+
+def state_documents(nodes: Sequence[NodeInfo], services: Sequence[Mapping[str, Any]],
+                    slices: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Everything ``kpx node`` reads, in the order a human expects to scan it."""
+    svcs = [{"apiVersion": "v1", "kind": "Service", **{k: copy.deepcopy(v) for k, v in s.items()
+                                                       if k not in ("apiVersion", "kind")}}
+            for s in services]
+    return [*node_objects(nodes), *svcs, *(copy.deepcopy(dict(s)) for s in slices)]

@@ -1,0 +1,249 @@
+"""The pod server: says which pod answered and which peer address it saw.
+
+Run as ``python -m lab.echo --name web-1 --node node1 --port 8080``.
+
+Owns: one TCP server whose protocol is chosen by the client's first line,
+so one process covers every lab test:
+
+- an HTTP/1.x request line (``GET / HTTP/1.1``): HTTP with keep-alive.
+  ``/clientip`` answers ``ip:port`` as text (as agnhost netexec does),
+  ``/hostname`` the pod name, ``/echo?msg=x`` echoes *x*, anything else a
+  JSON object ``{"pod", "node", "peer"}``. Works with curl.
+- ``WHO\\n``: one JSON line ``{"pod", "node", "peer"}`` then close.
+- ``ECHO\\n``: every following byte back until EOF, then a half-close.
+  Flow-controlled (``drain``), so it sustains any volume in bounded memory.
+- ``SINK\\n``: read to EOF, then one JSON line with ``bytes`` and ``sha256``.
+  This is the half-close test: the reply can only arrive if the proxy
+  forwarded the client's FIN *and* kept the other direction open.
+- ``HOLD\\n``: one JSON line, then never read again. Data the client sends
+  afterwards stays in the kernel's receive queue, so a SIGKILL of this
+  process makes the kernel answer with RST (the reset-propagation test).
+
+A PROXY protocol v1 or v2 header before the first line (sent by a proxying
+load balancer) is parsed and its source reported as ``"proxy"``, while
+``"peer"`` stays the TCP peer the kernel shows.
+
+Never: import anything but the standard library and uvloop (not the rest of
+the lab, not pyroute2 or YAML): it runs once per pod, inside the pod's
+namespace, and must start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import json
+import signal
+import socket
+import struct
+import sys
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+CHUNK = 256 * 1024
+LINE_LIMIT = 64 * 1024
+HOLD_SECONDS = 3600
+PROXY_V2_SIG = b"\r\n\r\n\x00\r\nQUIT\n"
+HTTP_METHODS = (b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH")
+
+
+def _addr(sockaddr: Any) -> str:
+    if not sockaddr:
+        return ""
+    return f"{sockaddr[0]}:{sockaddr[1]}"
+
+
+class EchoServer:
+    def __init__(self, pod: str, node: str) -> None:
+        self.pod = pod
+        self.node = node
+
+    def identity(self, peer: str, proxy: str | None) -> dict[str, Any]:
+        d: dict[str, Any] = {"pod": self.pod, "node": self.node, "peer": peer}
+        if proxy:
+            d["proxy"] = proxy
+        return d
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _addr(writer.get_extra_info("peername"))
+        try:
+            await self._dispatch(reader, writer, peer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError):
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    async def _dispatch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        peer: str) -> None:
+        proxy = None
+        line = await reader.readuntil(b"\n")
+        if line.startswith(b"PROXY "):
+            proxy = _parse_proxy_v1(line)
+            line = await reader.readuntil(b"\n")
+        elif line == b"\r\n":
+            rest = await reader.readexactly(len(PROXY_V2_SIG) - 2)
+            if line + rest != PROXY_V2_SIG:
+                raise ValueError("not a PROXY v2 header")
+            proxy = await _read_proxy_v2(reader)
+            line = await reader.readuntil(b"\n")
+        cmd = line.rstrip(b"\r\n")
+        if cmd == b"WHO":
+            await self._reply_line(writer, self.identity(peer, proxy))
+        elif cmd == b"ECHO":
+            await self._echo(reader, writer)
+        elif cmd == b"SINK":
+            await self._sink(reader, writer, peer, proxy)
+        elif cmd == b"HOLD":
+            await self._hold(writer, peer, proxy)
+        elif cmd.split(b" ", 1)[0] in HTTP_METHODS and b" HTTP/1." in cmd:
+            await self._http(reader, writer, peer, proxy, line)
+        else:
+            await self._reply_line(writer, {"error": "unknown request", "pod": self.pod})
+
+    async def _reply_line(self, writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
+        writer.write(json.dumps(obj).encode() + b"\n")
+        await writer.drain()
+
+    async def _echo(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            data = await reader.read(CHUNK)
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()  # a slow client pauses us: bounded memory
+        if writer.can_write_eof():
+            writer.write_eof()
+        await writer.drain()
+
+    async def _sink(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str,
+                    proxy: str | None) -> None:
+        digest = hashlib.sha256()
+        total = 0
+        while True:
+            data = await reader.read(CHUNK)
+            if not data:
+                break
+            total += len(data)
+            digest.update(data)
+        reply = self.identity(peer, proxy)
+        reply.update(bytes=total, sha256=digest.hexdigest())
+        await self._reply_line(writer, reply)
+
+    async def _hold(self, writer: asyncio.StreamWriter, peer: str, proxy: str | None) -> None:
+        # Stop reading at the transport: later bytes stay in the kernel queue,
+        # which is what turns our death into an RST rather than a FIN.
+        writer.transport.pause_reading()
+        await self._reply_line(writer, self.identity(peer, proxy))
+        for _ in range(HOLD_SECONDS):
+            if writer.transport.is_closing():
+                return
+            await asyncio.sleep(1)
+
+    async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str,
+                    proxy: str | None, line: bytes) -> None:
+        while True:
+            method, target, version = line.decode("latin-1").rstrip("\r\n").split(" ", 2)
+            headers: dict[str, str] = {}
+            while True:
+                h = await reader.readuntil(b"\n")
+                if h in (b"\r\n", b"\n"):
+                    break
+                k, _, v = h.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip()
+            length = int(headers.get("content-length", "0") or 0)
+            body = await reader.readexactly(length) if length else b""
+            status, ctype, payload = self._route(method, target, peer, proxy, body)
+            conn = headers.get("connection", "").lower()
+            keep = (version == "HTTP/1.1" and conn != "close") or (
+                version == "HTTP/1.0" and conn == "keep-alive")
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {len(payload)}\r\n"
+                    f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n").encode()
+            writer.write(head if method == "HEAD" else head + payload)
+            await writer.drain()
+            if not keep:
+                return
+            try:
+                line = await reader.readuntil(b"\n")
+            except asyncio.IncompleteReadError:
+                return
+
+    def _route(self, method: str, target: str, peer: str, proxy: str | None,
+               body: bytes) -> tuple[str, str, bytes]:
+        url = urlsplit(target)
+        if url.path == "/clientip":
+            return "200 OK", "text/plain", peer.encode()
+        if url.path == "/hostname":
+            return "200 OK", "text/plain", self.pod.encode()
+        if url.path == "/echo":
+            msg = parse_qs(url.query).get("msg", [""])[0]
+            return "200 OK", "text/plain", msg.encode() if method != "POST" else body
+        reply = self.identity(peer, proxy)
+        reply.update(method=method, path=url.path)
+        return "200 OK", "application/json", json.dumps(reply).encode() + b"\n"
+
+
+def _parse_proxy_v1(line: bytes) -> str | None:
+    # PROXY TCP4 <src> <dst> <sport> <dport>\r\n  |  PROXY UNKNOWN\r\n
+    parts = line.decode("ascii").split()
+    if len(parts) == 6 and parts[1] in ("TCP4", "TCP6"):
+        ipaddress.ip_address(parts[2])
+        return f"{parts[2]}:{int(parts[4])}"
+    if len(parts) >= 2 and parts[1] == "UNKNOWN":
+        return None
+    raise ValueError("bad PROXY v1 header")
+
+
+async def _read_proxy_v2(reader: asyncio.StreamReader) -> str | None:
+    ver_cmd, fam, length = struct.unpack("!BBH", await reader.readexactly(4))
+    data = await reader.readexactly(length)
+    if ver_cmd >> 4 != 2:
+        raise ValueError("bad PROXY v2 version")
+    if ver_cmd & 0xF == 0:  # LOCAL: health check from the proxy itself
+        return None
+    if fam >> 4 == 1 and len(data) >= 12:
+        src = socket.inet_ntop(socket.AF_INET, data[0:4])
+        return f"{src}:{struct.unpack('!H', data[8:10])[0]}"
+    if fam >> 4 == 2 and len(data) >= 36:
+        src = socket.inet_ntop(socket.AF_INET6, data[0:16])
+        return f"[{src}]:{struct.unpack('!H', data[32:34])[0]}"
+    return None
+
+
+async def serve(pod: str, node: str, host: str, port: int) -> None:
+    server = EchoServer(pod, node)
+    srv = await asyncio.start_server(server.handle, host, port, limit=LINE_LIMIT,
+                                     reuse_address=True, backlog=1024)
+    print(f"echo: pod {pod} on {node} listening on {host}:{port}", flush=True)
+    stop = asyncio.get_running_loop().create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or
+                                                      stop.set_result(None))
+    async with srv:
+        await stop
+    print("echo: stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab.echo", description=__doc__.split("\n")[0])
+    ap.add_argument("--name", required=True, help="pod name to report")
+    ap.add_argument("--node", default="", help="node name to report")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--bind", default="0.0.0.0")
+    args = ap.parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; fall back anyway
+        asyncio.run(serve(args.name, args.node, args.bind, args.port))
+    else:
+        uvloop.run(serve(args.name, args.node, args.bind, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,534 @@
+"""The lab file: what a lab is made of, validated before anything is built.
+
+Owns: parsing and validating the lab YAML (or an equivalent dict) into an
+immutable :class:`LabSpec`, and the built-in default lab.
+
+Never: touch a namespace, a socket or a process, or fill in values the API
+server would (nodePorts, defaults): that is the endpoints controller's job
+(``lab.controller``). Validation reports *every* problem at once, each naming
+its place in the file, because a lab file is edited by hand and one
+error-per-run is a miserable loop.
+
+Lab file format
+===============
+
+.. code-block:: yaml
+
+    nodes: 3                  # a count (names node1..nodeN) or a list of names
+    pods:
+      - name: web-1           # unique; also names the pod's network namespace
+        node: node1           # one of the nodes
+        labels: {app: web}    # matched by Service selectors (string values)
+        port: 8080            # the echo server's container port (default 8080)
+        portName: http        # optional: containerPort name, for named targetPorts
+        ready: true           # optional, default true (false = failing readiness)
+        namespace: default    # optional Kubernetes namespace, default "default"
+    services:                 # real v1 Service objects, as kubectl would accept them
+      - apiVersion: v1
+        kind: Service
+        metadata: {name: web, namespace: default}
+        spec:
+          type: LoadBalancer
+          externalTrafficPolicy: Local
+          selector: {app: web}
+          ports: [{port: 80, targetPort: 8080, nodePort: 30080}]
+          healthCheckNodePort: 32080      # optional: allocated when omitted
+    loadBalancer:             # optional; an external L4 LB in front of the nodes
+      service: default/web    # "namespace/name" or "name" (namespace default)
+      mode: passthrough       # passthrough (client IP reaches the node) | proxy
+      proxyProtocol: none     # proxy mode only: none | v1 | v2 (null means none)
+      probe:
+        type: http            # http | tcp
+        port: healthCheckNodePort   # healthCheckNodePort | nodePort | a number; a service
+                                    # without an hc port is probed on kube-proxy's :10256
+        path: /healthz        # http only
+        interval: 1           # seconds between probes
+        timeout: 1            # seconds per probe
+        healthyThreshold: 1   # consecutive passes to become healthy
+        unhealthyThreshold: 2 # consecutive failures to become unhealthy
+
+The LB itself (and the meaning of any further ``loadBalancer`` keys, such as
+its front ``port``) belongs to ``lab.loadbalancer``.
+
+nodePorts and healthCheckNodePort may be omitted: the lab allocates them
+deterministically, as the API server would, and keeps them across
+``kpx lab apply``. Unknown keys in ``loadBalancer`` are kept untouched, so
+the load balancer can grow options without this module changing.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MAX_NODES = 50
+MAX_PODS_PER_NODE = 200
+NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
+RESERVED_NAMES = frozenset({"sw", "lb", "client"})
+"""Namespace suffixes the lab itself uses; no node or pod may take them."""
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_IANA_SVC_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+_LABEL_KEY = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+LB_MODES = ("passthrough", "proxy")
+PROBE_TYPES = ("http", "tcp")
+PROBE_DEFAULTS: dict[str, Any] = {
+    "type": "http", "port": "healthCheckNodePort", "path": "/healthz", "interval": 1,
+    "timeout": 1, "healthyThreshold": 1, "unhealthyThreshold": 2,
+}
+
+
+class LabSpecError(ValueError):
+    """A lab file is invalid. ``problems`` holds one message per problem."""
+
+    def __init__(self, problems: list[str], source: str = "lab spec") -> None:
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(f"{source}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """One pod: an echo server in its own namespace behind *node*."""
+
+    name: str
+    node: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    port: int = 8080
+    ready: bool = True
+    namespace: str = "default"
+    port_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "node": self.node, "labels": dict(self.labels),
+                             "port": self.port}
+        if not self.ready:
+            d["ready"] = False
+        if self.namespace != "default":
+            d["namespace"] = self.namespace
+        if self.port_name:
+            d["portName"] = self.port_name
+        return d
+
+
+@dataclass(frozen=True)
+class LabSpec:
+    """A validated lab: node names, pods, raw v1 Services, optional LB section.
+
+    Services stay plain dicts (deep-copied): they are real Kubernetes objects
+    and the controller fills in what the API server would.
+    """
+
+    nodes: tuple[str, ...]
+    pods: tuple[PodSpec, ...] = ()
+    services: tuple[dict[str, Any], ...] = ()
+    load_balancer: dict[str, Any] | None = None
+
+    # --- construction -------------------------------------------------------
+
+    @classmethod
+    def load(cls, src: str | os.PathLike[str] | Mapping[str, Any] | LabSpec) -> LabSpec:
+        """From a path to a YAML file, a dict with the file's structure, or a LabSpec."""
+        if isinstance(src, LabSpec):
+            return src
+        if isinstance(src, Mapping):
+            return cls.from_dict(src)
+        path = Path(src)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise LabSpecError([f"cannot read: {exc.strerror}"], str(path)) from None
+        return cls.from_yaml(text, str(path))
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "lab spec") -> LabSpec:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise LabSpecError([f"YAML syntax error: {exc}"], source) from None
+        if not isinstance(data, Mapping):
+            raise LabSpecError(["the file must be a mapping with nodes/pods/services"], source)
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def default(cls) -> LabSpec:
+        """The built-in lab: 3 nodes, one LoadBalancer eTP=Local service, its pod on node1."""
+        text = resources.files("lab").joinpath("default.yaml").read_text()
+        return cls.from_yaml(text, "lab/default.yaml")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "lab spec",
+                  check_lb_service: bool = True) -> LabSpec:
+        problems: list[str] = []
+        unknown = set(data) - {"nodes", "pods", "services", "loadBalancer"}
+        problems += [f"{k}: unknown top-level key (expected nodes, pods, services, loadBalancer)"
+                     for k in sorted(map(str, unknown))]
+        nodes = _parse_nodes(data.get("nodes", 3), problems)
+        pods = _parse_pods(data.get("pods") or [], nodes, problems)
+        services = _parse_services(data.get("services") or [], problems)
+        lb = _parse_lb(data.get("loadBalancer"), services, problems, check_lb_service)
+        if problems:
+            raise LabSpecError(problems, source)
+        return cls(tuple(nodes), tuple(pods), tuple(services), lb)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The lab-file form; ``LabSpec.from_dict(spec.to_dict()) == spec``."""
+        d: dict[str, Any] = {
+            "nodes": list(self.nodes),
+            "pods": [p.to_dict() for p in self.pods],
+            "services": copy.deepcopy(list(self.services)),
+        }
+        if self.load_balancer is not None:
+            d["loadBalancer"] = copy.deepcopy(self.load_balancer)
+        return d
+
+    def revalidated(self, **changes: Any) -> LabSpec:
+        """A copy with *changes*, validated again (the LB may lose its service)."""
+        new = replace(self, **changes)
+        return LabSpec.from_dict(new.to_dict(), check_lb_service=False)
+
+    # --- queries --------------------------------------------------------------
+
+    def pod(self, name: str) -> PodSpec | None:
+        return next((p for p in self.pods if p.name == name), None)
+
+    @property
+    def lb_service_key(self) -> str | None:
+        if not self.load_balancer:
+            return None
+        return service_ref(self.load_balancer["service"])
+
+
+def service_key(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+
+
+def service_ref(ref: str) -> str:
+    """``name`` or ``namespace/name`` -> ``namespace/name``."""
+    return ref if "/" in ref else f"default/{ref}"
+
+
+# --- validation helpers ----------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_nodes(raw: Any, problems: list[str]) -> list[str]:
+    if _is_int(raw):
+        if not 1 <= raw <= MAX_NODES:
+            problems.append(f"nodes: must be between 1 and {MAX_NODES}, got {raw}")
+            return []
+        return [f"node{i}" for i in range(1, raw + 1)]
+    if not isinstance(raw, list) or not raw:
+        problems.append("nodes: must be a count or a non-empty list of names")
+        return []
+    if len(raw) > MAX_NODES:
+        problems.append(f"nodes: at most {MAX_NODES} nodes")
+    names: list[str] = []
+    for i, n in enumerate(raw):
+        where = f"nodes[{i}]"
+        if not isinstance(n, str) or not _DNS1123_LABEL.match(n) or len(n) > 40:
+            problems.append(f"{where}: {n!r} is not a valid node name (lowercase DNS label)")
+        elif n in RESERVED_NAMES:
+            problems.append(f"{where}: {n!r} is reserved for the lab's own namespaces")
+        elif n in names:
+            problems.append(f"{where}: duplicate node name {n!r}")
+        else:
+            names.append(n)
+    return names
+
+
+def _labels(raw: Any, where: str, problems: list[str]) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        problems.append(f"{where}: must be a mapping of label key to string value")
+        return {}
+    out: dict[str, str] = {}
+    for k, v in raw.items():
+        if not isinstance(k, str) or not _LABEL_KEY.match(k):
+            problems.append(f"{where}.{k}: invalid label key")
+        elif not isinstance(v, str):
+            problems.append(f"{where}.{k}: label values must be strings (quote {v!r})")
+        elif len(v) > 63 or not _LABEL_VALUE.match(v):
+            problems.append(f"{where}.{k}: invalid label value {v!r}")
+        else:
+            out[k] = v
+    return out
+
+
+def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec]:
+    if not isinstance(raw, list):
+        problems.append("pods: must be a list")
+        return []
+    pods: list[PodSpec] = []
+    seen: set[str] = set()
+    per_node: dict[str, int] = {}
+    allowed = {"name", "node", "labels", "port", "ready", "namespace", "portName"}
+    for i, p in enumerate(raw):
+        where = f"pods[{i}]"
+        if not isinstance(p, Mapping):
+            problems.append(f"{where}: must be a mapping")
+            continue
+        name = p.get("name")
+        if isinstance(name, str):
+            where = f"pods[{i}] ({name})"
+        for k in sorted(set(map(str, p)) - allowed):
+            problems.append(f"{where}.{k}: unknown key (expected {', '.join(sorted(allowed))})")
+        before = len(problems)
+        if not isinstance(name, str) or not _DNS1123_LABEL.match(name) or len(name) > 40:
+            problems.append(f"{where}.name: {name!r} is not a valid pod name (lowercase DNS label"
+                            ", at most 40 characters)")
+        elif name in RESERVED_NAMES or name in nodes:
+            problems.append(f"{where}.name: {name!r} is taken by a node or the lab itself")
+        elif name in seen:
+            problems.append(f"{where}.name: duplicate pod name {name!r}")
+        node = p.get("node")
+        if node not in nodes:
+            problems.append(f"{where}.node: unknown node {node!r} (nodes: {', '.join(nodes)})")
+        else:
+            per_node[node] = per_node.get(node, 0) + 1
+            if per_node[node] > MAX_PODS_PER_NODE:
+                problems.append(f"{where}.node: more than {MAX_PODS_PER_NODE} pods on {node}")
+        port = p.get("port", 8080)
+        if not _is_int(port) or not 1 <= port <= 65535:
+            problems.append(f"{where}.port: must be a port number 1-65535, got {port!r}")
+        ready = p.get("ready", True)
+        if not isinstance(ready, bool):
+            problems.append(f"{where}.ready: must be true or false")
+        ns = p.get("namespace", "default")
+        if not isinstance(ns, str) or not _DNS1123_LABEL.match(ns):
+            problems.append(f"{where}.namespace: {ns!r} is not a valid namespace name")
+        port_name = p.get("portName")
+        if port_name is not None and (not isinstance(port_name, str)
+                                      or not _IANA_SVC_NAME.match(port_name)
+                                      or len(port_name) > 15):
+            problems.append(f"{where}.portName: {port_name!r} is not a valid port name")
+        labels = _labels(p.get("labels"), f"{where}.labels", problems)
+        if len(problems) == before:
+            seen.add(name)
+            pods.append(PodSpec(name=name, node=node, labels=labels, port=port, ready=ready,
+                                namespace=ns, port_name=port_name))
+    return pods
+
+
+def _parse_services(raw: Any, problems: list[str]) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        problems.append("services: must be a list of v1 Service objects")
+        return []
+    out: list[dict[str, Any]] = []
+    keys: set[str] = set()
+    node_ports: dict[tuple[int, str], str] = {}
+    for i, obj in enumerate(raw):
+        before = len(problems)
+        _validate_service(obj, i, problems)
+        if len(problems) != before:
+            continue
+        key = service_key(obj)
+        where = f"Service {key}"
+        if key in keys:
+            problems.append(f"{where}: duplicate service")
+            continue
+        keys.add(key)
+        spec = obj.get("spec") or {}
+        for j, port in enumerate(spec.get("ports") or []):
+            np = port.get("nodePort")
+            if np:
+                proto = port.get("protocol", "TCP")
+                other = node_ports.get((np, proto))
+                if other:
+                    problems.append(f"{where}: spec.ports[{j}].nodePort: {np}/{proto} already used"
+                                    f" by {other}")
+                node_ports[(np, proto)] = f"{key} port {j}"
+        hc = spec.get("healthCheckNodePort")
+        if hc:
+            other = node_ports.get((hc, "TCP"))
+            if other:
+                problems.append(f"{where}: spec.healthCheckNodePort: {hc} already used by {other}")
+            node_ports[(hc, "TCP")] = f"{key} healthCheckNodePort"
+        out.append(copy.deepcopy(dict(obj)))
+    return out
+
+
+def _validate_service(obj: Any, i: int, problems: list[str]) -> None:
+    """The subset of API-server validation that matters to a proxy."""
+    if not isinstance(obj, Mapping):
+        problems.append(f"services[{i}]: must be a v1 Service mapping")
+        return
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    where = f"Service {service_key(obj)}" if isinstance(name, str) else f"services[{i}]"
+    if obj.get("apiVersion") != "v1" or obj.get("kind") != "Service":
+        problems.append(f"{where}: apiVersion/kind must be v1/Service")
+    if not isinstance(meta, Mapping):
+        problems.append(f"{where}: metadata: required")
+        return
+    if not isinstance(name, str) or not _DNS1035_LABEL.match(name) or len(name) > 63:
+        problems.append(f"{where}: metadata.name: {name!r} is not a valid service name")
+    ns = meta.get("namespace", "default")
+    if not isinstance(ns, str) or not _DNS1123_LABEL.match(ns):
+        problems.append(f"{where}: metadata.namespace: {ns!r} is not a valid namespace")
+    _labels(meta.get("labels"), f"{where}: metadata.labels", problems)
+    spec = obj.get("spec")
+    if not isinstance(spec, Mapping):
+        problems.append(f"{where}: spec: required")
+        return
+    stype = spec.get("type", "ClusterIP")
+    if stype not in SERVICE_TYPES:
+        problems.append(f"{where}: spec.type: must be one of {', '.join(SERVICE_TYPES)}")
+    has_node_ports = stype in ("NodePort", "LoadBalancer")
+    _labels(spec.get("selector"), f"{where}: spec.selector", problems)
+    ports = spec.get("ports")
+    if ports is None:
+        ports = []
+    if not isinstance(ports, list):
+        problems.append(f"{where}: spec.ports: must be a list")
+        ports = []
+    if not ports and stype != "ExternalName" and spec.get("clusterIP") != "None":
+        problems.append(f"{where}: spec.ports: at least one port is required")
+    names: set[str] = set()
+    seen_ports: set[tuple[int, str]] = set()
+    for j, port in enumerate(ports):
+        pw = f"{where}: spec.ports[{j}]"
+        if not isinstance(port, Mapping):
+            problems.append(f"{pw}: must be a mapping")
+            continue
+        pname = port.get("name", "")
+        if len(ports) > 1 and not pname:
+            problems.append(f"{pw}.name: required when a service has more than one port")
+        if pname and (not isinstance(pname, str) or not _DNS1123_LABEL.match(pname)):
+            problems.append(f"{pw}.name: {pname!r} is not a valid port name")
+        elif pname in names:
+            problems.append(f"{pw}.name: duplicate port name {pname!r}")
+        names.add(pname)
+        num = port.get("port")
+        if not _is_int(num) or not 1 <= num <= 65535:
+            problems.append(f"{pw}.port: must be a port number 1-65535, got {num!r}")
+        proto = port.get("protocol", "TCP")
+        if proto not in ("TCP", "UDP", "SCTP"):
+            problems.append(f"{pw}.protocol: must be TCP, UDP or SCTP")
+        if (num, proto) in seen_ports:
+            problems.append(f"{pw}: duplicate port {num}/{proto}")
+        seen_ports.add((num, proto))
+        tp = port.get("targetPort")
+        if tp is not None:
+            if _is_int(tp):
+                if not 1 <= tp <= 65535:
+                    problems.append(f"{pw}.targetPort: must be 1-65535, got {tp}")
+            elif not isinstance(tp, str) or not _IANA_SVC_NAME.match(tp) or len(tp) > 15:
+                problems.append(f"{pw}.targetPort: {tp!r} is neither a number nor a port name")
+        np = port.get("nodePort")
+        if np is not None and np != 0:
+            if not has_node_ports:
+                problems.append(f"{pw}.nodePort: only NodePort and LoadBalancer services have"
+                                " nodePorts")
+            elif not _is_int(np) or not NODE_PORT_MIN <= np <= NODE_PORT_MAX:
+                problems.append(f"{pw}.nodePort: must be in {NODE_PORT_MIN}-{NODE_PORT_MAX},"
+                                f" got {np!r}")
+    etp = spec.get("externalTrafficPolicy")
+    if etp is not None:
+        if etp not in ("Cluster", "Local"):
+            problems.append(f"{where}: spec.externalTrafficPolicy: must be Cluster or Local")
+        elif not has_node_ports and not spec.get("externalIPs"):
+            problems.append(f"{where}: spec.externalTrafficPolicy: only for NodePort and"
+                            " LoadBalancer services")
+    itp = spec.get("internalTrafficPolicy")
+    if itp is not None and itp not in ("Cluster", "Local"):
+        problems.append(f"{where}: spec.internalTrafficPolicy: must be Cluster or Local")
+    hc = spec.get("healthCheckNodePort")
+    if hc is not None and hc != 0:
+        if stype != "LoadBalancer" or etp != "Local":
+            problems.append(f"{where}: spec.healthCheckNodePort: only for type LoadBalancer with"
+                            " externalTrafficPolicy Local")
+        elif not _is_int(hc) or not NODE_PORT_MIN <= hc <= NODE_PORT_MAX:
+            problems.append(f"{where}: spec.healthCheckNodePort: must be in"
+                            f" {NODE_PORT_MIN}-{NODE_PORT_MAX}, got {hc!r}")
+    affinity = spec.get("sessionAffinity", "None")
+    if affinity not in ("None", "ClientIP"):
+        problems.append(f"{where}: spec.sessionAffinity: must be None or ClientIP")
+    cfg = spec.get("sessionAffinityConfig")
+    if cfg is not None:
+        timeout = (cfg.get("clientIP") or {}).get("timeoutSeconds") if isinstance(
+            cfg, Mapping) else None
+        if affinity != "ClientIP":
+            problems.append(f"{where}: spec.sessionAffinityConfig: only with sessionAffinity"
+                            " ClientIP")
+        elif timeout is not None and (not _is_int(timeout) or not 1 <= timeout <= 86400):
+            problems.append(f"{where}: spec.sessionAffinityConfig.clientIP.timeoutSeconds:"
+                            " must be 1-86400")
+    pnra = spec.get("publishNotReadyAddresses")
+    if pnra is not None and not isinstance(pnra, bool):
+        problems.append(f"{where}: spec.publishNotReadyAddresses: must be true or false")
+    albnp = spec.get("allocateLoadBalancerNodePorts")
+    if albnp is not None and not isinstance(albnp, bool):
+        problems.append(f"{where}: spec.allocateLoadBalancerNodePorts: must be true or false")
+
+
+def _parse_lb(raw: Any, services: list[dict[str, Any]], problems: list[str],
+              check_service: bool) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        problems.append("loadBalancer: must be a mapping")
+        return None
+    lb = copy.deepcopy(dict(raw))
+    ref = lb.get("service")
+    if not isinstance(ref, str) or not ref:
+        problems.append("loadBalancer.service: required (\"namespace/name\" or \"name\")")
+        return None
+    key = service_ref(ref)
+    lb["service"] = key
+    svc = next((s for s in services if service_key(s) == key), None)
+    if check_service and svc is None:
+        problems.append(f"loadBalancer.service: no service {key} in this lab")
+    lb.setdefault("mode", "passthrough")
+    if lb["mode"] not in LB_MODES:
+        problems.append(f"loadBalancer.mode: must be one of {', '.join(LB_MODES)}")
+    pp = lb.get("proxyProtocol")
+    if pp is not None and pp != "none":
+        if pp not in ("v1", "v2"):
+            problems.append("loadBalancer.proxyProtocol: must be none, v1, v2 or null")
+        elif lb["mode"] != "proxy":
+            problems.append("loadBalancer.proxyProtocol: only proxy mode can send a PROXY"
+                            " header")
+    probe_raw = lb.get("probe") or {}
+    if not isinstance(probe_raw, Mapping):
+        problems.append("loadBalancer.probe: must be a mapping")
+        probe_raw = {}
+    probe = {**PROBE_DEFAULTS, **probe_raw}
+    if probe["type"] not in PROBE_TYPES:
+        problems.append(f"loadBalancer.probe.type: must be one of {', '.join(PROBE_TYPES)}")
+    port = probe["port"]
+    if port not in ("healthCheckNodePort", "nodePort") and not (
+            _is_int(port) and 1 <= port <= 65535):
+        problems.append("loadBalancer.probe.port: healthCheckNodePort, nodePort or a number")
+    if svc is not None and (svc.get("spec") or {}).get("type") not in ("LoadBalancer",
+                                                                        "NodePort"):
+        problems.append(f"loadBalancer.service: {key} must be of type LoadBalancer or NodePort")
+    if not isinstance(probe["path"], str) or not probe["path"].startswith("/"):
+        problems.append("loadBalancer.probe.path: must start with /")
+    for k in ("interval", "timeout"):
+        v = probe[k]
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            problems.append(f"loadBalancer.probe.{k}: must be a positive number of seconds")
+    for k in ("healthyThreshold", "unhealthyThreshold"):
+        if not _is_int(probe[k]) or probe[k] < 1:
+            problems.append(f"loadBalancer.probe.{k}: must be an integer >= 1")
+    lb["probe"] = probe
+    return lb

@@ -1,0 +1,244 @@
+"""The lab's network: addressing plan and the netlink work that builds it.
+
+Owns: which namespace is called what, which address everything has, and
+creating/destroying the links, addresses, routes and sysctls that make the
+picture below true. All netlink work is done in-process through pyroute2
+handles bound to each namespace (``lab.netns.iproute_in``), which is why a
+3-node lab is wired in tens of milliseconds rather than seconds.
+
+Never: create, move or configure anything in the root namespace. Each veth
+is created *inside* a lab namespace with its peer placed directly into
+another lab namespace, so no link ever exists outside the lab, even for an
+instant. Never start processes either: that is ``lab.cluster``'s job.
+
+::
+
+      client 10.79.0.100 ── eth0 ─┐
+                                  │ 10.79.0.0/24 (the "outside world")
+                  eth1 10.79.0.1 ─┤ lb   (router between the client and the nodes;
+                  eth0 10.77.0.2 ─┘       the external LB lives here)
+                                  │
+      sw: br0 ── n1, n2, ..., lb     10.77.0.0/24, the node network
+                  │
+      nodeI: eth0 10.77.0.(10+I)   ip_forward=1
+             cbr0 10.244.I.1/24    the node's pod bridge
+             routes: 10.244.J.0/24 via node J; 10.79.0.0/24 via 10.77.0.2
+                  │
+      pod:   eth0 10.244.I.(10+K)/24, default via 10.244.I.1
+
+The client's address is outside the node subnet, so it is a genuinely
+external client: every reply to it must be routed back through the lb
+namespace, as on a real cluster behind a cloud LB. rp_filter is off
+everywhere because transparent (client-IP-preserving) forwarding makes
+asymmetric-looking paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lab import netns
+
+log = logging.getLogger(__name__)
+
+NODE_NET = "10.77.0.0/24"
+NODE_PREFIXLEN = 24
+LB_NODE_IP = "10.77.0.2"
+CLIENT_NET = "10.79.0.0/24"
+LB_CLIENT_IP = "10.79.0.1"
+CLIENT_IP = "10.79.0.100"
+POD_PREFIXLEN = 24
+
+BASE_SYSCTLS: dict[str, str | int] = {
+    "net.ipv4.conf.all.rp_filter": 0,
+    "net.ipv4.conf.default.rp_filter": 0,
+}
+ROUTER_SYSCTLS: dict[str, str | int] = {**BASE_SYSCTLS, "net.ipv4.ip_forward": 1}
+
+
+def node_ip(index: int) -> str:
+    """Node *index* (1-based) lives at 10.77.0.(10+index)."""
+    return f"10.77.0.{10 + index}"
+
+
+def pod_cidr(index: int) -> str:
+    return f"10.244.{index}.0/24"
+
+
+def pod_gateway(index: int) -> str:
+    return f"10.244.{index}.1"
+
+
+def pod_ip(node_index: int, slot: int) -> str:
+    """Pod *slot* (1-based) of node *node_index*: 10.244.node.(10+slot)."""
+    return f"10.244.{node_index}.{10 + slot}"
+
+
+def pod_host_ifname(slot: int) -> str:
+    """The node-side end of a pod's veth; unique per node because slots are."""
+    return f"veth{slot}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Names and addresses of a lab, derived from its prefix and node list."""
+
+    prefix: str
+    nodes: tuple[str, ...]
+
+    @property
+    def sw(self) -> str:
+        return f"{self.prefix}-sw"
+
+    @property
+    def lb(self) -> str:
+        return f"{self.prefix}-lb"
+
+    @property
+    def client(self) -> str:
+        return f"{self.prefix}-client"
+
+    def node_ns(self, node: str) -> str:
+        return f"{self.prefix}-{node}"
+
+    def pod_ns(self, pod: str) -> str:
+        return f"{self.prefix}-{pod}"
+
+    def node_index(self, node: str) -> int:
+        return self.nodes.index(node) + 1
+
+    def node_ip(self, node: str) -> str:
+        return node_ip(self.node_index(node))
+
+    def infra_namespaces(self) -> list[str]:
+        return [self.sw, self.lb, self.client, *(self.node_ns(n) for n in self.nodes)]
+
+
+@contextlib.contextmanager
+def _handles(names: Sequence[str]) -> Iterator[dict[str, Any]]:
+    hs: dict[str, Any] = {}
+    try:
+        for n in names:
+            hs[n] = netns.iproute_in(n)
+        yield hs
+    finally:
+        for h in hs.values():
+            with contextlib.suppress(Exception):
+                h.close()
+
+
+def _idx(ipr: Any, ifname: str) -> int:
+    found = ipr.link_lookup(ifname=ifname)
+    if not found:
+        raise RuntimeError(f"interface {ifname} not found")
+    return int(found[0])
+
+
+def _veth(ipr: Any, ifname: str, peer_ns: str, peer_ifname: str) -> None:
+    """A veth whose near end is *ifname* here and whose far end is born in *peer_ns*."""
+    fd = os.open(netns.ns_path(peer_ns), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        ipr.link("add", ifname=ifname, kind="veth",
+                 peer={"ifname": peer_ifname, "net_ns_fd": fd})
+    finally:
+        os.close(fd)
+
+
+def _up(ipr: Any, ifname: str, **kw: Any) -> int:
+    idx = _idx(ipr, ifname)
+    ipr.link("set", index=idx, state="up", **kw)
+    return idx
+
+
+def build_fabric(plan: Plan) -> None:
+    """Create every infrastructure namespace and wire it (not the pods).
+
+    The namespaces must not exist yet. On failure the caller tears down by
+    prefix, so nothing here needs its own rollback.
+    """
+    for ns in plan.infra_namespaces():
+        netns.create(ns)
+    for ns in plan.infra_namespaces():
+        sysctls = ROUTER_SYSCTLS if ns != plan.sw and ns != plan.client else BASE_SYSCTLS
+        netns.sysctl_in(ns, sysctls)
+
+    with _handles(plan.infra_namespaces()) as h:
+        for ipr in h.values():
+            _up(ipr, "lo")
+        sw = h[plan.sw]
+        sw.link("add", ifname="br0", kind="bridge", br_stp_state=0, br_forward_delay=0)
+        br = _up(sw, "br0")
+
+        # lb: one leg on the node network, one on the client network.
+        lb, client = h[plan.lb], h[plan.client]
+        _veth(lb, "eth0", plan.sw, "lb")
+        _up(sw, "lb", master=br)
+        lb.addr("add", index=_idx(lb, "eth0"), address=LB_NODE_IP, prefixlen=NODE_PREFIXLEN)
+        _up(lb, "eth0")
+        _veth(lb, "eth1", plan.client, "eth0")
+        lb.addr("add", index=_idx(lb, "eth1"), address=LB_CLIENT_IP, prefixlen=24)
+        _up(lb, "eth1")
+        client.addr("add", index=_idx(client, "eth0"), address=CLIENT_IP, prefixlen=24)
+        _up(client, "eth0")
+        client.route("add", dst="0.0.0.0/0", gateway=LB_CLIENT_IP)
+
+        for i, node in enumerate(plan.nodes, start=1):
+            ipr = h[plan.node_ns(node)]
+            _veth(ipr, "eth0", plan.sw, f"n{i}")
+            _up(sw, f"n{i}", master=br)
+            ipr.addr("add", index=_idx(ipr, "eth0"), address=node_ip(i),
+                     prefixlen=NODE_PREFIXLEN)
+            _up(ipr, "eth0")
+            ipr.link("add", ifname="cbr0", kind="bridge", br_stp_state=0, br_forward_delay=0)
+            ipr.addr("add", index=_idx(ipr, "cbr0"), address=pod_gateway(i),
+                     prefixlen=POD_PREFIXLEN)
+            _up(ipr, "cbr0")
+            ipr.route("add", dst=CLIENT_NET, gateway=LB_NODE_IP)
+            for j, _ in enumerate(plan.nodes, start=1):
+                if j != i:
+                    ipr.route("add", dst=pod_cidr(j), gateway=node_ip(j))
+
+
+def add_pod(plan: Plan, pod: str, node: str, slot: int) -> str:
+    """Create pod *pod*'s namespace behind *node* in *slot*; returns its IP."""
+    i = plan.node_index(node)
+    ns = plan.pod_ns(pod)
+    ip = pod_ip(i, slot)
+    netns.create(ns)
+    try:
+        netns.sysctl_in(ns, BASE_SYSCTLS)
+        with _handles([plan.node_ns(node), ns]) as h:
+            host, pipr = h[plan.node_ns(node)], h[ns]
+            hif = pod_host_ifname(slot)
+            if host.link_lookup(ifname=hif):  # a leftover from a failed removal
+                host.link("del", index=_idx(host, hif))
+            _veth(host, hif, ns, "eth0")
+            _up(host, hif, master=_idx(host, "cbr0"))
+            _up(pipr, "lo")
+            pipr.addr("add", index=_idx(pipr, "eth0"), address=ip, prefixlen=POD_PREFIXLEN)
+            _up(pipr, "eth0")
+            pipr.route("add", dst="0.0.0.0/0", gateway=pod_gateway(i))
+    except BaseException:
+        netns.remove(ns)
+        raise
+    return ip
+
+
+def remove_pod(plan: Plan, pod: str, node: str, slot: int) -> None:
+    """Unplug and delete pod *pod*'s namespace (its processes must be gone).
+
+    The node-side veth is deleted explicitly: namespace destruction is
+    asynchronous in the kernel, and a pod re-created at once in the same slot
+    would otherwise collide with the dying veth's name.
+    """
+    with contextlib.suppress(netns.NetnsError, OSError), _handles([plan.node_ns(node)]) as h:
+        host = h[plan.node_ns(node)]
+        found = host.link_lookup(ifname=pod_host_ifname(slot))
+        if found:
+            host.link("del", index=found[0])
+    netns.remove(plan.pod_ns(pod))

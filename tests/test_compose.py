@@ -1,0 +1,178 @@
+"""docker-compose.yml, checked without a Docker engine (none exists on kpx's machines).
+
+What a structural check can promise: the file parses, every node is a
+container running ``kpx node`` for its own name against the shared state file
+with NET_ADMIN, pods, the client and the LB are there, every network a
+service joins is declared and every fixed address sits inside its subnet,
+the addresses agree with the state file and the LB config, and every file
+the compose file or its Dockerfile references exists in the repository.
+What it cannot promise is that an engine runs it; compose/README.md says so.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lab.loadbalancer import LBConfig
+from proxy.k8s import parse_state
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+NODES = ("node1", "node2", "node3")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())  # also resolves the x-* anchors and << merges
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def _argv(service: dict[str, Any]) -> list[str]:
+    cmd = service["command"]
+    return shlex.split(cmd) if isinstance(cmd, str) else [str(a) for a in cmd]
+
+
+def _flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def _host_path(volume: str | dict[str, Any]) -> str | None:
+    source = volume.get("source") if isinstance(volume, dict) else volume.split(":")[0]
+    return source if source and source.startswith(".") else None
+
+
+def _addresses(service: dict[str, Any]) -> dict[str, str]:
+    nets = service.get("networks") or {}
+    return {name: (cfg or {}).get("ipv4_address") for name, cfg in nets.items()}
+
+
+def test_the_expected_services_exist(services: dict[str, Any]) -> None:
+    assert set(NODES) <= set(services)
+    assert {"client", "lb", "web-1"} <= set(services)
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_each_node_runs_kpx_node_for_itself(services: dict[str, Any], node: str) -> None:
+    svc = services[node]
+    argv = _argv(svc)
+    assert argv[:2] == ["kpx", "node"]
+    assert _flag(argv, "--hostname-override") == node
+    assert _flag(argv, "--state") == "/state/state.yaml"
+    assert "NET_ADMIN" in svc["cap_add"]
+    # The state file reaches the container through a mounted directory.
+    mounts = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in svc["volumes"]]
+    assert any(m.split(":")[1] == "/state" for m in mounts)
+    assert svc["sysctls"]["net.ipv4.ip_forward"] == "1"
+
+
+def test_every_network_is_declared_and_addresses_fit(compose: dict[str, Any]) -> None:
+    declared = compose["networks"]
+    seen: dict[str, str] = {}
+    for name, svc in compose["services"].items():
+        for net, addr in _addresses(svc).items():
+            assert net in declared, f"{name} joins undeclared network {net}"
+            assert addr, f"{name} has no fixed address on {net}"
+            subnet = ipaddress.ip_network(declared[net]["ipam"]["config"][0]["subnet"])
+            gateway = ipaddress.ip_address(declared[net]["ipam"]["config"][0]["gateway"])
+            assert ipaddress.ip_address(addr) in subnet, f"{name}: {addr} not in {subnet}"
+            assert ipaddress.ip_address(addr) != gateway, f"{name}: {addr} is {net}'s gateway"
+            assert addr not in seen, f"{addr} used by {seen.get(addr)} and {name}"
+            seen[addr] = name
+
+
+def test_addresses_agree_with_the_state_file(services: dict[str, Any]) -> None:
+    snapshot = parse_state((ROOT / "compose/state/state.yaml").read_text())
+    node_ips = {n.name: n.internal_ips[0] for n in snapshot.nodes}
+    assert set(node_ips) == set(NODES)
+    for node, ip in node_ips.items():
+        assert _addresses(services[node])["nodes"] == ip
+    pod_ips = {
+        name: addr for name, svc in services.items()
+        for net, addr in _addresses(svc).items() if net.startswith("pods-") and name not in NODES
+    }
+    for s in snapshot.slices:
+        for ep in s.endpoints:
+            pod = next(name for name, addr in pod_ips.items() if addr == ep.address)
+            # The endpoint's nodeName is the node whose pod network the pod sits on.
+            assert f"pods-{ep.node_name}" in _addresses(services[pod])
+            assert _flag(_argv(services[pod]), "--node") == ep.node_name
+
+
+def test_lb_config_matches_the_cluster(services: dict[str, Any]) -> None:
+    cfg = LBConfig.from_json((ROOT / "compose/lb.json").read_text())
+    snapshot = parse_state((ROOT / "compose/state/state.yaml").read_text())
+    svc = next(s for s in snapshot.services if f"{s.namespace}/{s.name}" == cfg.service)
+    assert cfg.node_port == svc.ports[0].node_port
+    assert cfg.probe.port == svc.health_check_node_port
+    assert {b.name: b.ip for b in cfg.backends} == {
+        n.name: n.internal_ips[0] for n in snapshot.nodes
+    }
+    lb = services["lb"]
+    assert _argv(lb)[:3] == ["python", "-m", "lab.loadbalancer"]
+    assert _addresses(lb)["clients"] == cfg.listen_ip
+    assert "NET_ADMIN" in lb["cap_add"]  # nftables DNAT in passthrough mode
+    # Passthrough keeps the client IP only if nodes route the client network back via the LB.
+    lb_ip = _addresses(lb)["nodes"]
+    for node in NODES:
+        assert f"10.79.0.0/24 via {lb_ip}" in services[node]["environment"]["KPX_ROUTES"]
+    assert services["client"]["environment"]["KPX_DEFAULT_VIA"] == cfg.listen_ip
+
+
+def test_pods_run_the_echo_server_and_route_via_their_node(services: dict[str, Any]) -> None:
+    for name, svc in services.items():
+        argv = _argv(svc)
+        if argv[:3] != ["python", "-m", "lab.echo"]:
+            continue
+        assert _flag(argv, "--name") == name
+        node = _flag(argv, "--node")
+        assert svc["environment"]["KPX_DEFAULT_VIA"] == _addresses(services[node])[f"pods-{node}"]
+
+
+def test_referenced_files_exist(compose: dict[str, Any]) -> None:
+    for name, svc in compose["services"].items():
+        build = svc.get("build")
+        if build:
+            context = ROOT / build["context"]
+            assert context.is_dir(), f"{name}: build context {context}"
+            assert (context / build.get("dockerfile", "Dockerfile")).is_file()
+        for vol in svc.get("volumes") or []:
+            path = _host_path(vol)
+            if path:
+                assert (ROOT / path).exists(), f"{name}: volume source {path} missing"
+    config = _flag(_argv(compose["services"]["lb"]), "--config")
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in compose["services"]["lb"]["volumes"]}
+    assert (ROOT / mounted[config]).is_file()
+
+
+def test_dockerfile_copies_only_what_exists() -> None:
+    dockerfile = (ROOT / "compose/Dockerfile").read_text()
+    sources = []
+    for line in dockerfile.splitlines():
+        m = re.match(r"\s*COPY\s+(.+)", line)
+        if m:
+            *src, _dest = m.group(1).split()
+            sources += src
+    assert sources, "the Dockerfile copies nothing"
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY source {src} missing"
+    entry = ROOT / "compose/entrypoint.sh"
+    assert entry.stat().st_mode & 0o111, "entrypoint.sh must be executable"
+
+
+def test_readme_says_untested() -> None:
+    text = (ROOT / "compose/README.md").read_text()
+    assert "Untested on an engine" in text
