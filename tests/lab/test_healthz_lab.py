@@ -1,0 +1,85 @@
+"""healthCheckNodePort across a real 3-node lab: the seed scenario of issue 3.
+
+A LoadBalancer service with externalTrafficPolicy=Local and one pod on node A.
+Cloud LBs probe every node's healthCheckNodePort; only the node with a local
+endpoint may answer 200, which is what takes the others out of rotation.
+These tests read the answers the way an LB does: from outside, over HTTP.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from lab.cluster import wait_until
+
+pytestmark = pytest.mark.lab
+
+
+def _probe(lab: Any, node: str, port: int) -> tuple[int, dict[str, Any]]:
+    status, body = lab.http_get("client", lab.node_ip(node), port, "/healthz", timeout=2.0)
+    return status, json.loads(body)
+
+
+def test_hc_port_answers_200_only_on_the_node_with_the_pod_and_follows_moves(
+    lab_factory: Callable[..., Any], one_pod_spec: Callable[..., dict[str, Any]]
+) -> None:
+    """200 + localEndpoints 1 on A, 503 + 0 on B and C; after a move, within 2 s, the reverse."""
+    lab = lab_factory(one_pod_spec(etp="Local", node="node1"))
+    hc = lab.hc_port("default/web")
+    assert hc
+
+    for node, code, count in (("node1", 200, 1), ("node2", 503, 0), ("node3", 503, 0)):
+        status, body = _probe(lab, node, hc)
+        assert (status, body["localEndpoints"]) == (code, count), node
+        assert body["service"] == {"namespace": "default", "name": "web"}
+        assert body["serviceProxyHealthy"] is True
+
+    moved_at = time.monotonic()
+    lab.move_pod("web-1", "node2")
+
+    def moved() -> bool:
+        return _probe(lab, "node1", hc)[0] == 503 and _probe(lab, "node2", hc)[0] == 200
+
+    wait_until(moved, timeout=2.0, what="node1 503 and node2 200 after the move")
+    assert time.monotonic() - moved_at < 2.0
+    assert _probe(lab, "node2", hc)[1]["localEndpoints"] == 1
+    assert _probe(lab, "node3", hc)[0] == 503
+
+
+def test_hc_port_refuses_after_switching_to_cluster(
+    lab_factory: Callable[..., Any], one_pod_spec: Callable[..., dict[str, Any]]
+) -> None:
+    """eTP=Cluster needs no health check: the port must refuse, like kube-proxy's e2e expects."""
+    spec = one_pod_spec(etp="Local", node="node1")
+    lab = lab_factory(spec)
+    hc = lab.hc_port("default/web")
+    assert _probe(lab, "node1", hc)[0] == 200
+
+    svc = copy.deepcopy(lab.service("default/web"))
+    svc["spec"]["externalTrafficPolicy"] = "Cluster"
+    svc["spec"].pop("healthCheckNodePort", None)
+    lab.update_service(svc)
+
+    def refused_everywhere() -> bool:
+        for node in lab.nodes:
+            try:
+                _probe(lab, node, hc)
+            except ConnectionRefusedError:
+                continue
+            return False
+        return True
+
+    wait_until(refused_everywhere, timeout=2.0, what="hc port refused on every node")
+    for node in lab.nodes:
+        listening = lab.run(node, ["ss", "-ltnH", f"sport = :{hc}"]).stdout.strip()
+        assert listening == "", f"{node} still listens on {hc}: {listening}"
+    # The NodePort itself keeps serving, now from every node.
+    port = lab.node_port("default/web")
+    for node in lab.nodes:
+        assert lab.request("client", lab.node_ip(node), port)["pod"] == "web-1"
