@@ -49,6 +49,13 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ListenerKey = tuple[str, int]
 
 
+def _is_ipv4(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).version == 4
+    except ValueError:
+        return False
+
+
 def default_max_connections() -> int:
     """Half the fds we may open, less a reserve: each relay holds two."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -133,7 +140,7 @@ class Dataplane:
         self._metrics: dict[str, PortMetrics] = {}
         self._plans: dict[int, PortPlan] = {}
         self._node_ips: tuple[str, ...] = ()
-        self._program: list[synfilter.Instruction] | None = None
+        self._program: list[synfilter.Instruction] | None = synfilter.syn_drop_program(())
         self._desired: dict[ListenerKey, bool] = {}
         self._listeners: dict[ListenerKey, Listener] = {}
         self._failed: dict[ListenerKey, str] = {}
@@ -186,9 +193,9 @@ class Dataplane:
             node_ips: tuple[str, ...] = ()
         else:
             self._warned_no_node = False
-            node_ips = tuple(ip for ip in node.ips if ipaddress.ip_address(ip).version == 4)
+            node_ips = tuple(ip for ip in node.ips if _is_ipv4(ip))
             if len(node_ips) != len(node.ips):
-                log.debug("node %s: IPv6 addresses ignored (IPv4 only)", self.node_name)
+                log.debug("node %s: non-IPv4 addresses ignored (IPv4 only)", self.node_name)
 
         plans = build_plans(snapshot, self.node_name, self.masquerade_all)
         self._swap_plans(plans)
@@ -204,7 +211,7 @@ class Dataplane:
 
         addrs = listen_addresses(node_ips, self.nodeport_cidrs, self.bind_localhost)
         self._desired = {
-            (a, port): plan.drop_external and not a.startswith("127.")
+            (a, port): plan.drop_external and a != LOCALHOST
             for port, plan in plans.items()
             if plan.listen
             for a in addrs
@@ -310,7 +317,7 @@ class Dataplane:
                 if lis is None:
                     lis = Listener(
                         self.loop, addr, port, self.forwarder.on_accept,
-                        admit=self.forwarder.has_capacity, on_blocked=self._blocked.add,
+                        admit=self.forwarder.has_capacity, on_blocked=self._on_blocked,
                         backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
                     )
                     lis.open(program)
@@ -363,12 +370,18 @@ class Dataplane:
         if self._failed and self._accepting and not self._closed:
             self._reconcile()
 
+    def _on_blocked(self, lis: Listener) -> None:
+        self._blocked.add(lis)
+        self._update_gauge()
+
     def _resume_blocked(self) -> None:
         if not self._blocked:
             return
-        blocked, self._blocked = self._blocked, set()
+        blocked = list(self._blocked)
+        self._blocked.clear()
         for lis in blocked:
             lis.resume()
+        self._update_gauge()
 
     def _update_gauge(self) -> None:
         counts = {"serving": 0, "dropping": 0, "paused": 0}

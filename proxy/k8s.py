@@ -2,12 +2,15 @@
 
 Owns: reading what ``kubectl get nodes,svc,endpointslices -A -o yaml`` prints
 (multi-document streams, ``kind: List``, typed ``NodeList``/``ServiceList``/
-``EndpointSliceList``, in any mix and order) into ``proxy.model`` objects, and
-every check kpx makes before it trusts a state.
+``EndpointSliceList``, in any mix and order, or the same as JSON) into
+``proxy.model`` objects, and every check kpx makes before it trusts a state;
+``StateParser`` does it again for each new version of a state, re-reading
+only the documents that changed.
 
-Never: hold state, touch sockets, or return half a result. A parse either
-yields a whole Snapshot or raises ``StateError``; that is what lets the state
-source keep serving the last good snapshot when someone saves a broken file.
+Never: hold state outside a ``StateParser``, touch sockets, or return half a
+result. A parse either yields a whole Snapshot or raises ``StateError``; that
+is what lets the state source keep serving the last good snapshot when
+someone saves a broken file.
 
 Theory of operation:
 
@@ -29,22 +32,82 @@ Theory of operation:
 - Endpoint conditions resolve here, once, exactly as in EndpointSliceCache:
   nil ready and nil serving mean true, nil terminating means false.
 - Speed matters (10k services must cost a fraction of a second on top of
-  PyYAML): fields are plain dict lookups checked with ``type(v) is``, which is
-  also what stops a YAML ``true`` passing as the integer 1, and a field path
-  string is only built once a problem is found.
+  decoding): fields are plain dict lookups checked with ``type(v) is``, which
+  is also what stops a YAML ``true`` passing as the integer 1, and a field
+  path string is only built once a problem is found.
+
+Two passes, so that the first one can be cached:
+
+1. *Judging* (``_judge``) reads one decoded document alone and yields a
+   ``_Verdict``: its model objects and every problem that depends on that
+   document only. Nothing in a verdict depends on where the document sits:
+   a problem that names a position keeps it relative (``_Located``), and the
+   nodePorts an object listens on are recorded as ``_Claim``s, not judged.
+2. *Linking* (``_link``) runs the checks that span documents over all
+   verdicts in stream order: duplicate names, nodePort clashes, slices whose
+   service is missing. A stream without problems takes a fast path made of
+   set sizes and tuple concatenation; only a stream with problems replays
+   the verdicts one by one, to report them in exactly the order (and with
+   exactly the words) of a single pass.
+
+Incremental parsing (``StateParser``), for a state that changes one document
+at a time:
+
+- The stream is cut into *chunks* at every line that is a document marker at
+  column 0 (``---``, then only blanks or a comment). Such a line always starts
+  a document: YAML forbids content lines that begin with ``---`` followed by a
+  blank (spec 1.2 production [206] ``c-forbidden``); libyaml and PyYAML end
+  every plain or block scalar there and reject a quoted one that spans it.
+- A chunk's verdicts are cached by its exact text; only new or changed chunks
+  are decoded, and unchanged ones keep the very same model objects, which is
+  what lets ``decision.build_plans`` reuse their plans by identity. Finding
+  the unchanged chunks costs two ``memcmp`` walks over the previous chunk
+  list (from the front and from the back), so a typical edit never hashes or
+  even copies the untouched text.
+- Anything unusual is decoded as one whole stream instead: directives
+  (``%``), document-end markers (``...``), line breaks other than LF and
+  CRLF, a byte-order mark after the first byte.
+- A syntax error is reported by the first chunk that has one. That chunk is
+  decoded again together with the next marker line, so that PyYAML sees what
+  it would see in the whole stream, and its line numbers are shifted to
+  count from the top of the file.
+
+Decoding, fastest first:
+
+- JSON (``kubectl -o json``, text starting with ``{``) goes to ``json.loads``,
+  ~30x faster than PyYAML. JSON is YAML, and hooks make the two agree where
+  YAML 1.1 reads differently (``1e3`` and ``NaN`` are strings to PyYAML);
+  text where they could still differ (tabs, surrogate escapes, characters
+  YAML treats as line breaks) goes to PyYAML instead.
+- The block-style subset that kubectl, ``yaml.safe_dump`` and the kpx tools
+  print (``key: value`` lines, ``- `` items, single-line plain or quoted
+  scalars, ``{}`` and ``[]``) is read by ``_read_subset``, ~4x faster than
+  PyYAML with libyaml. Plain scalars are resolved and built by PyYAML's own
+  resolver and constructors, so ``yes``, ``0o17`` or ``2024-05-01`` mean
+  exactly what they mean to PyYAML. Anything else (flow collections,
+  multi-line scalars, anchors, tags, escapes, comments after a value,
+  non-ASCII text) is declined and the chunk goes to PyYAML.
+- PyYAML (libyaml's ``CSafeLoader`` when present) decodes the rest, and is
+  the only one that ever reports a syntax error.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import re
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import accumulate, chain, compress, pairwise, repeat, takewhile
+from operator import add, attrgetter
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import yaml
+from yaml.nodes import ScalarNode
 
 from proxy.model import (
     DEFAULT_AFFINITY_SECONDS,
@@ -133,6 +196,81 @@ def _a(type_name: str) -> str:
     return f"an {type_name}" if type_name[0] in "aeiou" else f"a {type_name}"
 
 
+# -- verdicts: what one document says, wherever it sits --------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Located:
+    """A problem that names its object by position: ``{head}document {n}{rel}{tail}``.
+
+    The document number is only known once the stream is linked, and a
+    cached verdict must stay valid when documents before it come and go.
+    """
+
+    head: str
+    rel: str
+    """Where inside its document, ``""`` or ``" items[3]"``."""
+    tail: str
+
+    def text(self, number: int) -> str:
+        return f"{self.head}document {number}{self.rel}{self.tail}"
+
+
+_PROTOCOL_CODES = {protocol: code for code, protocol in enumerate(_PROTOCOLS)}
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """An object listens on ``port/protocol``; clashes are judged when linking."""
+
+    port: int
+    protocol: str
+    label: str
+    path: str
+
+    @property
+    def code(self) -> int:
+        """``port/protocol`` as one int: a set of them is built on every parse."""
+        return self.port << 2 | _PROTOCOL_CODES[self.protocol]
+
+
+_Problem = str | _Located | _Claim
+"""What ``_Fields`` records: a finished problem, a positional one, or a claim."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Object:
+    """One named Node, Service or EndpointSlice, judged on its own."""
+
+    kind: str
+    key: str
+    """``name`` or ``ns/name``."""
+    ident: str
+    """``kind/key``: what duplicates are judged by (a string hashes once, a tuple every time)."""
+    rel: str
+    early: tuple[str, ...]
+    """Problems found before its name is claimed (a bad namespace type)."""
+    body: tuple[str | _Claim, ...]
+    """Problems and nodePort claims after the name, in the order they were found."""
+    value: Node | Service | EndpointSlice | None
+    """The model object; None if broken, ignored or not IPv4."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """One decoded document, judged: replayable entries and fast-path summaries."""
+
+    entries: tuple[_Located | _Object, ...]
+    clean: bool
+    """No problem of its own; only cross-document checks can still fail it."""
+    idents: tuple[str, ...]
+    claims: tuple[int, ...]
+    """``_Claim.code`` of every claim."""
+    nodes: tuple[Node, ...]
+    services: tuple[Service, ...]
+    slices: tuple[EndpointSlice, ...]
+
+
 class _Fields:
     """Reads the fields of one object, recording a problem for each bad one.
 
@@ -140,19 +278,33 @@ class _Fields:
     object ``ok = False``, so the rest of it is still checked and every
     problem is reported in one pass. ``prefix`` is the path of the mapping the
     field lives in (``"spec.ports[0]."``); the full path is only joined on
-    failure.
+    failure. Until ``named``, problems are ``_Located`` (the object is known
+    only by its position).
     """
 
-    __slots__ = ("label", "ok", "problems")
+    __slots__ = ("label", "named", "ok", "problems", "rel")
 
-    def __init__(self, label: str, problems: list[str]) -> None:
-        self.label = label
+    def __init__(self, kind: str, rel: str, problems: list[_Problem]) -> None:
+        self.label = f"{kind} <unnamed>"
+        self.rel = rel
+        self.named = False
         self.problems = problems
         self.ok = True
 
+    def name(self, label: str) -> None:
+        self.label = label
+        self.named = True
+
     def fail(self, path: str, message: str) -> None:
-        self.problems.append(f"{self.label}: {path}: {message}")
+        if self.named:
+            self.problems.append(f"{self.label}: {path}: {message}")
+        else:
+            self.problems.append(_Located(f"{self.label} (", self.rel, f"): {path}: {message}"))
         self.ok = False
+
+    def claim(self, port: int, protocol: str, path: str) -> None:
+        """Record that this object listens on ``port/protocol``; ``_link`` judges clashes."""
+        self.problems.append(_Claim(port, protocol, self.label, path))
 
     def wrong_type(self, path: str, expected: str, value: object) -> None:
         self.fail(path, f"expected {_a(expected)}, got {_describe(value)}")
@@ -288,95 +440,127 @@ def _timestamp(fields: _Fields, value: object, path: str) -> float | None:
     return None
 
 
-class _Parser:
-    """One pass over a stream of decoded documents; ``finish`` links and judges."""
+class _Judge:
+    """Judges one decoded document alone; ``verdict`` hands back what it found."""
+
+    __slots__ = ("claims", "clean", "entries", "idents", "nodes", "services", "slices")
 
     def __init__(self) -> None:
-        self.problems: list[str] = []
+        self.entries: list[_Located | _Object] = []
+        self.clean = True
+        self.idents: list[str] = []
+        self.claims: list[int] = []
         self.nodes: list[Node] = []
-        self.services: dict[str, Service] = {}
-        self.ignored: set[str] = set()
+        self.services: list[Service] = []
         self.slices: list[EndpointSlice] = []
-        self.seen: dict[tuple[str, str], str] = {}
-        """(kind, name or ns/name) -> where it was first seen, for duplicates."""
-        self.node_ports: dict[tuple[int, str], str] = {}
-        """(port, protocol) -> ``Service ns/name field.path`` that holds it."""
 
-    # -- the stream -------------------------------------------------------
+    def verdict(self) -> _Verdict:
+        return _Verdict(
+            entries=tuple(self.entries),
+            clean=self.clean,
+            idents=tuple(self.idents),
+            claims=tuple(self.claims),
+            nodes=tuple(self.nodes),
+            services=tuple(self.services),
+            slices=tuple(self.slices),
+        )
 
-    def document(self, doc: object, where: str) -> None:
-        if doc is None:
-            return
-        self.item(doc, where, None)
+    def locate(self, rel: str, tail: str) -> None:
+        """A problem with the document itself (or a List item), named by position."""
+        self.entries.append(_Located("", rel, tail))
+        self.clean = False
 
-    def item(self, doc: object, where: str, default_kind: str | None) -> None:
+    def done(
+        self,
+        kind: str,
+        key: str,
+        rel: str,
+        early: tuple[str, ...],
+        problems: list[_Problem],
+        value: Node | Service | EndpointSlice | None,
+    ) -> None:
+        """Record a named object; ``problems`` holds only strings and claims by now."""
+        body = cast("tuple[str | _Claim, ...]", tuple(problems))
+        ident = f"{kind}/{key}"
+        self.entries.append(_Object(kind, key, ident, rel, early, body, value))
+        self.idents.append(ident)
+        for item in body:
+            if type(item) is _Claim:
+                self.claims.append(item.code)
+            else:
+                self.clean = False
+        if early:
+            self.clean = False
+
+    # -- the document -------------------------------------------------------
+
+    def item(self, doc: object, rel: str, default_kind: str | None) -> None:
         if type(doc) is not dict:
-            self.problems.append(
-                f"{where}: expected a mapping (a Kubernetes object or List), got {_describe(doc)}"
+            self.locate(
+                rel, f": expected a mapping (a Kubernetes object or List), got {_describe(doc)}"
             )
             return
         kind = doc.get("kind", default_kind)
         if type(kind) is not str or not kind:
             detail = "required" if kind is None else f"expected a string, got {_describe(kind)}"
-            self.problems.append(f"{where}: kind: {detail}")
+            self.locate(rel, f": kind: {detail}")
             return
         if kind in _LIST_KINDS:
             items = doc.get("items")
             if items is None:
                 return
             if type(items) is not list:
-                self.problems.append(
-                    f"{where} ({kind}): items: expected a list, got {_describe(items)}"
-                )
+                self.locate(rel, f" ({kind}): items: expected a list, got {_describe(items)}")
                 return
             item_kind = _LIST_KINDS[kind]
             for i, item in enumerate(items):
-                self.item(item, f"{where} items[{i}]", item_kind)
+                self.item(item, f"{rel} items[{i}]", item_kind)
             return
         api_version = _API_VERSIONS.get(kind)
         if api_version is None or doc.get("apiVersion", api_version) != api_version:
             return  # Not an object kpx reads (Pod, ConfigMap, a CRD that reuses a name...).
-        fields = _Fields(f"{kind} <unnamed> ({where})", self.problems)
+        problems: list[_Problem] = []
+        fields = _Fields(kind, rel, problems)
         if kind == "Service":
-            self.service(fields, doc, where)
+            self.service(fields, doc)
         elif kind == "EndpointSlice":
-            self.endpoint_slice(fields, doc, where)
+            self.endpoint_slice(fields, doc)
         else:
-            self.node(fields, doc, where)
+            self.node(fields, doc)
 
     def metadata(
-        self, fields: _Fields, doc: dict[str, Any], kind: str, where: str, namespaced: bool
-    ) -> tuple[str, dict[str, Any]] | None:
-        """Name the object (``ns/name`` or ``name``) and claim that name.
+        self, fields: _Fields, doc: dict[str, Any], kind: str, namespaced: bool
+    ) -> tuple[str, dict[str, Any], tuple[str, ...]] | None:
+        """Name the object (``ns/name`` or ``name``).
 
-        Returns None for an object that must not go further: nameless, or a
-        second object of the same kind and name (reported against both places).
+        Returns None for a nameless object, whose (positional) problems are
+        then already recorded; otherwise the key, the metadata mapping and
+        the problems found so far, which ``_link`` reports before it judges
+        whether the name is a duplicate.
         """
         meta = fields.mapping(doc, "metadata", "", required=True)
-        if not fields.ok:
-            return None  # Already reported; "metadata.name: required" would say it twice.
-        name = fields.string(meta, "name", "metadata.", required=True)
+        name = fields.string(meta, "name", "metadata.", required=True) if fields.ok else ""
         if not name:
+            # "metadata: required" is enough; "metadata.name: required" would say it twice.
+            self.entries.extend(cast("list[_Located]", fields.problems))
+            self.clean = False
             return None
         key = name
         if namespaced:
             namespace = meta.get("namespace")
             key = f"{namespace if namespace and type(namespace) is str else 'default'}/{name}"
-        fields.label = f"{kind} {key}"
+        fields.name(f"{kind} {key}")
         if namespaced:
             fields.string(meta, "namespace", "metadata.")  # Only to report a wrong type.
-        first = self.seen.get((kind, key))
-        if first is not None:
-            fields.fail("metadata.name", f"duplicate {kind} (in {first} and {where})")
-            return None
-        self.seen[(kind, key)] = where
-        return key, meta
+        early = cast("tuple[str, ...]", tuple(fields.problems))
+        fields.problems.clear()
+        return key, meta, early
 
-    def node(self, fields: _Fields, doc: dict[str, Any], where: str) -> None:
-        named = self.metadata(fields, doc, "Node", where, namespaced=False)
+    def node(self, fields: _Fields, doc: dict[str, Any]) -> None:
+        named = self.metadata(fields, doc, "Node", namespaced=False)
         if named is None:
             return
-        name, meta = named
+        name, meta, early = named
         labels = fields.string_map(meta, "labels", "metadata.")
         deletion = meta.get("deletionTimestamp")
         if isinstance(deletion, datetime):
@@ -407,23 +591,24 @@ class _Parser:
                 internal.append(address)
             elif addr_type == "ExternalIP":
                 external.append(address)
+        value = None
         if fields.ok:
-            self.nodes.append(
-                Node(
-                    name=name,
-                    internal_ips=tuple(internal),
-                    external_ips=tuple(external),
-                    labels=_pairs(labels),
-                    taint_keys=tuple(taint_keys),
-                    deletion_timestamp=deletion,
-                )
+            value = Node(
+                name=name,
+                internal_ips=tuple(internal),
+                external_ips=tuple(external),
+                labels=_pairs(labels),
+                taint_keys=tuple(taint_keys),
+                deletion_timestamp=deletion,
             )
+            self.nodes.append(value)
+        self.done("Node", name, fields.rel, early, fields.problems, value)
 
-    def service(self, fields: _Fields, doc: dict[str, Any], where: str) -> None:
-        named = self.metadata(fields, doc, "Service", where, namespaced=True)
+    def service(self, fields: _Fields, doc: dict[str, Any]) -> None:
+        named = self.metadata(fields, doc, "Service", namespaced=True)
         if named is None:
             return
-        key, meta = named
+        key, meta, early = named
         labels = fields.string_map(meta, "labels", "metadata.")
         spec = fields.mapping(doc, "spec", "", required=True)
         if (
@@ -433,7 +618,7 @@ class _Parser:
             or spec.get("clusterIP") == "None"
         ):
             # kube-proxy's informer never even sees these; neither does kpx.
-            self.ignored.add(key)
+            self.done("Service", key, fields.rel, early, fields.problems, None)
             return
 
         svc_type = fields.string(spec, "type", "spec.", "ClusterIP", choices=_SERVICE_TYPES)
@@ -485,12 +670,16 @@ class _Parser:
                 target = fields.port(raw, "targetPort", prefix, required=True) or port
             node_port = fields.port(raw, "nodePort", prefix)
             if node_port:
-                self.claim_node_port(fields, node_port, protocol, prefix + "nodePort")
+                # The API server allocates node ports cluster-wide, so a clash
+                # means the state was not written by one; kpx could serve only
+                # one of the two. ``_link`` judges it.
+                fields.claim(node_port, protocol, prefix + "nodePort")
             ports.append(ServicePort(name, protocol, port, target, node_port))
 
+        namespace, _, name = key.partition("/")
         service = Service(
-            namespace=key.partition("/")[0],
-            name=key.partition("/")[2],
+            namespace=namespace,
+            name=name,
             type=cast(ServiceType, svc_type),
             ports=tuple(ports),
             cluster_ip=cluster_ip,
@@ -506,32 +695,25 @@ class _Parser:
         )
         if service.needs_health_check:
             # The healthz sidecar listens on it over TCP, beside the NodePorts.
-            self.claim_node_port(fields, hc_port, "TCP", "spec.healthCheckNodePort")
+            fields.claim(hc_port, "TCP", "spec.healthCheckNodePort")
+        value = None
         if fields.ok:
-            self.services[key] = service
+            value = service
+            self.services.append(service)
+        self.done("Service", key, fields.rel, early, fields.problems, value)
 
-    def claim_node_port(self, fields: _Fields, port: int, protocol: str, path: str) -> None:
-        """Record who listens on ``port/protocol``; a second claim is a problem.
-
-        The API server allocates node ports cluster-wide, so a clash means the
-        state was not written by one; kpx could serve only one of the two.
-        """
-        first = self.node_ports.get((port, protocol))
-        if first is not None:
-            fields.fail(path, f"{port}/{protocol} is also used by {first}")
-        else:
-            self.node_ports[(port, protocol)] = f"{fields.label} {path}"
-
-    def endpoint_slice(self, fields: _Fields, doc: dict[str, Any], where: str) -> None:
-        named = self.metadata(fields, doc, "EndpointSlice", where, namespaced=True)
+    def endpoint_slice(self, fields: _Fields, doc: dict[str, Any]) -> None:
+        named = self.metadata(fields, doc, "EndpointSlice", namespaced=True)
         if named is None:
             return
-        key, meta = named
+        key, meta, early = named
         address_type = fields.string(
             doc, "addressType", "", "IPv4", required=False, choices=_ADDRESS_TYPES
         )
         if address_type != "IPv4":
-            return  # kpx proxies IPv4 only, like a single-stack IPv4 kube-proxy.
+            # kpx proxies IPv4 only, like a single-stack IPv4 kube-proxy.
+            self.done("EndpointSlice", key, fields.rel, early, fields.problems, None)
+            return
         labels = fields.string_map(meta, "labels", "metadata.")
         service_name = labels.get(SERVICE_NAME_LABEL)
         if not service_name:
@@ -562,19 +744,20 @@ class _Parser:
             if port:
                 ports.append(EndpointPort(name, port, protocol))
 
+        value = None
         if fields.ok:
             namespace, _, name = key.partition("/")
-            self.slices.append(
-                EndpointSlice(
-                    namespace=namespace,
-                    name=name,
-                    service_name=service_name,
-                    endpoints=tuple(endpoints),
-                    ports=tuple(ports),
-                    address_type=address_type,
-                    trigger_time=trigger_time,
-                )
+            value = EndpointSlice(
+                namespace=namespace,
+                name=name,
+                service_name=cast(str, service_name),
+                endpoints=tuple(endpoints),
+                ports=tuple(ports),
+                address_type=address_type,
+                trigger_time=trigger_time,
             )
+            self.slices.append(value)
+        self.done("EndpointSlice", key, fields.rel, early, fields.problems, value)
 
     def endpoint(self, fields: _Fields, raw: object, path: str) -> Endpoint | None:
         """One endpoint: its first address, resolved conditions and locality."""
@@ -626,21 +809,196 @@ class _Parser:
                 fields.wrong_type(prefix + "targetRef", "mapping", target_ref)
         return Endpoint(address, node_name or None, ready, serving, terminating, pod_name)
 
-    # -- the verdict ------------------------------------------------------
 
-    def finish(self, generation: int) -> Snapshot:
-        if self.problems:
-            raise StateError(self.problems)
-        services = self.services
+def _judge(doc: object) -> _Verdict:
+    """The verdict on one decoded document (None, an empty document, has no objects)."""
+    judge = _Judge()
+    if doc is not None:
+        judge.item(doc, "", None)
+    return judge.verdict()
+
+
+# -- linking: the checks that span documents ------------------------------------------
+
+_IDENTS = attrgetter("idents")
+_CLAIMS = attrgetter("claims")
+_KEY = attrgetter("key")
+_SERVICE_KEY = attrgetter("service_key")
+
+
+class _Tally:
+    """How often each value occurs, and how many values occur more than once.
+
+    Kept up to date as chunks come and go, so that "no duplicate anywhere"
+    costs nothing per parse instead of a set over every name in the state.
+    """
+
+    __slots__ = ("counts", "repeated")
+
+    def __init__(self) -> None:
+        self.counts: dict[object, int] = {}
+        self.repeated = 0
+
+    def add(self, values: Iterable[object]) -> None:
+        counts = self.counts
+        for value in values:
+            count = counts.get(value, 0) + 1
+            counts[value] = count
+            if count == 2:
+                self.repeated += 1
+
+    def remove(self, values: Iterable[object]) -> None:
+        counts = self.counts
+        for value in values:
+            count = counts[value] - 1
+            if count:
+                counts[value] = count
+                if count == 1:
+                    self.repeated -= 1
+            else:
+                del counts[value]
+
+
+class _Column:
+    """One kind of model object from every chunk, flat and in stream order.
+
+    ``starts[i]`` counts the objects before chunk ``i`` (plus a final entry,
+    the total), so a run of chunks is replaced in place: a list slice
+    assignment moves pointers and never touches the untouched objects.
+    """
+
+    __slots__ = ("items", "starts", "take")
+
+    def __init__(self, take: Callable[[_Verdict], tuple[Any, ...]]) -> None:
+        self.items: list[Any] = []
+        self.starts = array("q", [0])
+        self.take = take
+
+    def replace(self, first: int, stop: int, chunks: list[tuple[_Verdict, ...]]) -> None:
+        """Chunks ``first:stop`` become ``chunks``."""
+        groups = [tuple(chain.from_iterable(map(self.take, verdicts))) for verdicts in chunks]
+        low, high = self.starts[first], self.starts[stop]
+        new = list(chain.from_iterable(groups))
+        self.items[low:high] = new
+        delta = len(new) - (high - low)
+        tail = self.starts[stop + 1 :]
+        if delta:
+            tail = array("q", map(add, tail, repeat(delta)))
+        self.starts[first + 1 :] = array("q", accumulate(map(len, groups), initial=low))[1:] + tail
+
+
+class _Linker:
+    """The verdicts of a stream, chunk by chunk, and what links them into a Snapshot.
+
+    ``replace`` swaps a run of chunks and updates, in proportion to what
+    changed, everything ``snapshot`` needs to prove a clean stream: how many
+    verdicts have problems of their own, whether any (kind, name) or
+    (nodePort, protocol) repeats, and the flat lists of nodes, services and
+    slices. Only a stream with problems is replayed in full (``_replay``),
+    to report them in the order and words of a single pass.
+    """
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[_Verdict, ...]] = []
+        self.unclean = 0
+        self.idents = _Tally()
+        self.claims = _Tally()
+        self.nodes = _Column(attrgetter("nodes"))
+        self.services = _Column(attrgetter("services"))
+        self.slices = _Column(attrgetter("slices"))
+
+    def replace(self, first: int, stop: int, chunks: list[tuple[_Verdict, ...]]) -> None:
+        """Chunks ``first:stop`` become ``chunks``."""
+        removed = list(chain.from_iterable(self.chunks[first:stop]))
+        added = list(chain.from_iterable(chunks))
+        self.unclean += sum(not v.clean for v in added) - sum(not v.clean for v in removed)
+        for tally, take in ((self.idents, _IDENTS), (self.claims, _CLAIMS)):
+            tally.remove(chain.from_iterable(map(take, removed)))
+            tally.add(chain.from_iterable(map(take, added)))
+        for column in (self.nodes, self.services, self.slices):
+            column.replace(first, stop, chunks)
+        self.chunks[first:stop] = chunks
+
+    def snapshot(self, generation: int) -> Snapshot:
+        if self.unclean or self.idents.repeated or self.claims.repeated:
+            return _replay(list(chain.from_iterable(self.chunks)), generation)
+        services = tuple(self.services.items)
+        slices = self.slices.items
+        linked = map(set(map(_KEY, services)).__contains__, map(_SERVICE_KEY, slices))
         return Snapshot(
-            nodes=tuple(self.nodes),
-            services=tuple(services.values()),
+            nodes=tuple(self.nodes.items),
+            services=services,
             # An orphan slice (service gone, ignored, or not yet written) is
             # not a problem: kube-proxy drops it too and it reappears with
             # its service.
-            slices=tuple(s for s in self.slices if s.service_key in services),
+            slices=tuple(compress(slices, linked)),
             generation=generation,
         )
+
+
+def _link(verdicts: Iterable[_Verdict], generation: int) -> Snapshot:
+    """One Snapshot from the verdicts of a whole stream, in stream order."""
+    linker = _Linker()
+    linker.replace(0, 0, [(verdict,) for verdict in verdicts])
+    return linker.snapshot(generation)
+
+
+def _replay(verdicts: list[_Verdict], generation: int) -> Snapshot:
+    """``_link`` the slow way: every entry in order, reporting as it goes."""
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    """``kind/key`` -> where it was first seen, for duplicates."""
+    owners: dict[tuple[int, str], str] = {}
+    """(port, protocol) -> ``Service ns/name field.path`` that holds it."""
+    nodes: list[Node] = []
+    services: dict[str, Service] = {}
+    slices: list[EndpointSlice] = []
+    for number, verdict in enumerate(verdicts, 1):
+        for entry in verdict.entries:
+            if type(entry) is _Located:
+                problems.append(entry.text(number))
+                continue
+            problems.extend(entry.early)
+            kind, key = entry.kind, entry.key
+            where = f"document {number}{entry.rel}"
+            first = seen.get(entry.ident)
+            if first is not None:
+                problems.append(
+                    f"{kind} {key}: metadata.name: duplicate {kind} (in {first} and {where})"
+                )
+                continue
+            seen[entry.ident] = where
+            for item in entry.body:
+                if type(item) is str:
+                    problems.append(item)
+                    continue
+                claimed = (item.port, item.protocol)
+                owner = owners.get(claimed)
+                if owner is None:
+                    owners[claimed] = f"{item.label} {item.path}"
+                else:
+                    problems.append(
+                        f"{item.label}: {item.path}: "
+                        f"{item.port}/{item.protocol} is also used by {owner}"
+                    )
+            value = entry.value
+            if type(value) is Service:
+                services[key] = value
+            elif type(value) is EndpointSlice:
+                slices.append(value)
+            elif type(value) is Node:
+                nodes.append(value)
+    if problems:
+        raise StateError(problems)
+    return Snapshot(
+        nodes=tuple(nodes),
+        services=tuple(services.values()),
+        slices=tuple(sl for sl in slices if sl.service_key in services),
+        generation=generation,
+    )
+
+
+# -- decoding ---------------------------------------------------------------------------
 
 
 @contextmanager
@@ -662,56 +1020,505 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def parse_objects(documents: Iterable[object], generation: int = 0) -> Snapshot:
-    """Build a Snapshot from already-decoded YAML/JSON documents.
+def _mark(mark: Any, line_offset: int) -> str:
+    return f"line {mark.line + 1 + line_offset}, column {mark.column + 1}"
 
-    Each document is an object, a List, or None (an empty document). This is
-    ``parse_state`` minus the YAML decoding, for sources that decode
-    themselves (JSON from an API server, tests).
+
+def _yaml_error_detail(err: yaml.MarkedYAMLError, line_offset: int = 0) -> str:
+    """``line 27, column 28: did not find expected key (while parsing ... at line 25, ...)``.
+
+    ``line_offset`` counts the lines above the text PyYAML was given, so a
+    chunk's error names its line in the whole file.
     """
-    with _gc_paused():
-        parser = _Parser()
-        for i, doc in enumerate(documents, 1):
-            parser.document(doc, f"document {i}")
-        return parser.finish(generation)
-
-
-def _mark(mark: Any) -> str:
-    return f"line {mark.line + 1}, column {mark.column + 1}"
-
-
-def _yaml_error_detail(err: yaml.MarkedYAMLError) -> str:
-    """``line 27, column 28: did not find expected key (while parsing ... at line 25, ...)``."""
     mark = err.problem_mark or err.context_mark
-    detail = f"{_mark(mark) if mark else 'an unknown place'}: {err.problem or err.context}"
+    detail = (
+        f"{_mark(mark, line_offset) if mark else 'an unknown place'}: {err.problem or err.context}"
+    )
     if err.problem and err.context:
         detail += f" ({err.context}"
         context_mark = err.context_mark
         if context_mark and (
             mark is None or (context_mark.line, context_mark.column) != (mark.line, mark.column)
         ):
-            detail += f" that starts at {_mark(context_mark)}"
+            detail += f" that starts at {_mark(context_mark, line_offset)}"
         detail += ")"
     return detail
+
+
+def _yaml_problem(err: yaml.YAMLError, line_offset: int = 0) -> StateError:
+    if isinstance(err, yaml.MarkedYAMLError):
+        return StateError([f"YAML syntax error at {_yaml_error_detail(err, line_offset)}"])
+    return StateError([f"YAML error: {err}"])
 
 
 def _load_all(text: str) -> list[object]:
     try:
         return list(yaml.load_all(text, Loader=_LOADER))
-    except yaml.MarkedYAMLError as err:
-        raise StateError([f"YAML syntax error at {_yaml_error_detail(err)}"]) from err
     except yaml.YAMLError as err:
-        raise StateError([f"YAML error: {err}"]) from err
+        raise _yaml_problem(err) from err
+
+
+# Plain scalars, as PyYAML reads them.
+
+_SCALARS: Any = _LOADER("")
+"""A loader over nothing, used only for PyYAML's resolver and scalar constructors."""
+_STR_TAG = "tag:yaml.org,2002:str"
+_PLAIN_CONSTRUCTORS = {
+    tag: _SCALARS.yaml_constructors[tag]
+    for tag in (
+        "tag:yaml.org,2002:null",
+        "tag:yaml.org,2002:bool",
+        "tag:yaml.org,2002:int",
+        "tag:yaml.org,2002:float",
+        "tag:yaml.org,2002:timestamp",
+    )
+}
+"""Tags whose value is a pure function of the scalar's text (merge keys and
+``=`` are not; the readers below decline those and leave them to PyYAML)."""
+
+_DECLINE: Any = object()
+"""A reader's answer for "not mine, ask PyYAML"."""
+
+
+def _plain(text: str) -> object:
+    """What PyYAML makes of an untagged plain scalar, or ``_DECLINE``."""
+    tag = _SCALARS.resolve(ScalarNode, text, (True, False))
+    if tag == _STR_TAG:
+        return text
+    construct = _PLAIN_CONSTRUCTORS.get(tag)
+    if construct is None:
+        return _DECLINE
+    return construct(_SCALARS, ScalarNode(tag, text))
+
+
+# JSON.
+
+
+def _json_number(text: str) -> object:
+    """A JSON number (or ``NaN``/``Infinity``) as the same text is to PyYAML.
+
+    YAML 1.1 wants a dot in a float and a sign in its exponent, so PyYAML
+    reads ``1e3`` and ``NaN`` as strings; so must kpx, whatever the format.
+    """
+    value = _plain(text)
+    if value is _DECLINE:
+        raise ValueError(f"{text} is not a YAML scalar")
+    return value
+
+
+_JSON = json.JSONDecoder(parse_float=_json_number, parse_constant=_json_number)
+_JSON_START = re.compile(r"[ \n\r]*\{")
+_JSON_ODD = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\ufffe\uffff]")
+"""Characters YAML refuses (or takes for line breaks) that JSON lets through."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""JSON joins escaped surrogate pairs; libyaml refuses them."""
+
+
+def _json_document(text: str) -> object:
+    """``text`` as one JSON document, or ``_DECLINE`` if YAML must decide.
+
+    JSON is YAML, so this is only a faster road to PyYAML's answer. It is
+    declined where the two could differ: tabs (libyaml takes them as flow
+    whitespace, PyYAML refuses them), ``_JSON_ODD`` characters, surrogate
+    escapes, and anything ``json`` refuses (comments, YAML syntax, errors:
+    PyYAML reports those). Known gap: a key longer than 1024 characters,
+    which YAML cannot read as an implicit key, and the API server never
+    writes.
+    """
+    if not _JSON_START.match(text) or "\t" in text or "\x7f" in text:
+        return _DECLINE
+    if not text.isascii() and _JSON_ODD.search(text):
+        return _DECLINE
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text):
+        return _DECLINE
+    try:
+        return _JSON.decode(text)
+    except (ValueError, RecursionError):
+        return _DECLINE
+
+
+# The block-style subset.
+
+_SUBSET_UNSAFE = re.compile(r"[^\n -~]")
+"""Anything but LF and printable ASCII: tabs, CR, control and non-ASCII characters."""
+_PLAIN_FIRST = r"(?:[A-Za-z0-9_./~+(\\$^]|-(?=[A-Za-z0-9_.]))"
+_PLAIN_VALUE = rf"{_PLAIN_FIRST}(?:[^:\n #]|:(?=[^ \n])|#| +(?=[^ \n#]))*"
+"""A one-line plain scalar: no indicator first, no ``: `` or `` #`` inside, no ``:`` last."""
+_PLAIN_KEY = rf"{_PLAIN_FIRST}(?:[^:\n #]|:(?=[^ \n])|#)*"
+_QUOTED = r"'(?:[^'\n]|'')*'|\"[^\"\\\n]*\""
+"""Single-quoted, or double-quoted without escapes."""
+_VALUE = rf"{_QUOTED}|\{{\}}|\[\]|{_PLAIN_VALUE}"
+_SUBSET_LINE = re.compile(
+    rf"^( *)(- +)?(?:({_QUOTED}|{_PLAIN_KEY}):(?: +({_VALUE}))?|({_VALUE})) *$"
+    r"|^ *(?:#.*)?$"
+    r"|^(.+)$",
+    re.MULTILINE,
+)
+"""One line: indent, ``- ``, and ``key:``, ``key: value`` or ``value``; or a blank or
+comment line (every group empty); or anything else (the last group: decline)."""
+_MAX_KEY = 1000
+"""libyaml and PyYAML refuse an implicit key longer than 1024 characters."""
+
+
+def _subset_scalar(text: str, memo: dict[str, object]) -> object:
+    first = text[0]
+    if first == "'":
+        return text[1:-1].replace("''", "'")
+    if first == '"':
+        return text[1:-1]
+    if first == "{":
+        return {}
+    if first == "[":
+        return []
+    value = memo.get(text, memo)
+    if value is memo:
+        value = memo[text] = _plain(text)
+    return value
+
+
+def _read_subset(chunk: str, memo: dict[str, object]) -> list[object] | None:
+    """The documents of ``chunk`` if it is in the block-style subset, else None.
+
+    The subset is what YAML printers emit for Kubernetes objects: a root
+    mapping at column 0; ``key: value`` and ``key:`` lines; ``- `` items at
+    or beyond their key's column; single-line scalars, ``{}`` and ``[]``;
+    blank and comment lines. Every line must fit (``_SUBSET_LINE``) and sit
+    at a column that opens, continues or closes a block exactly as YAML's
+    indentation rules say; whatever does not is declined, never guessed, so
+    an error is always PyYAML's to report. ``memo`` caches plain scalars,
+    which repeat a lot (``TCP``, ``true``, ``v1``).
+
+    A stack frame is ``[column, container, is_sequence, pending_key]``;
+    ``pending_key`` is a ``key:`` whose value is whatever block the next
+    line opens, or null if it opens none.
+    """
+    if _SUBSET_UNSAFE.search(chunk):
+        return None
+    docs: list[object] = []
+    body = chunk
+    if chunk.startswith("---") and chunk[3:4] in ("", " ", "\n"):
+        marker, _, body = chunk.partition("\n")
+        rest = marker[3:].lstrip(" ")
+        if rest and rest[0] != "#":
+            return None  # Content on the marker line.
+        docs.append(None)
+    stack: list[list[Any]] = []
+    top: list[Any] | None = None
+    for indent_text, dash, key, key_value, item, bad in _SUBSET_LINE.findall(body):
+        if bad:
+            return None
+        if not key and not item:
+            continue  # A blank or comment line.
+        indent = len(indent_text)
+        if top is None:
+            if dash or not key or indent:
+                return None  # Only a mapping at column 0 can be a Kubernetes object.
+            top = [0, {}, False, None]
+            stack.append(top)
+            if docs:
+                docs[0] = top[1]
+            else:
+                docs.append(top[1])
+        else:
+            pending = top[3]
+            if pending is not None:
+                top[3] = None
+                if (indent >= top[0]) if dash else (indent > top[0]):
+                    opened: list[Any] = [indent, [] if dash else {}, bool(dash), None]
+                    top[1][pending] = opened[1]
+                    stack.append(opened)
+                    top = opened
+            # Close the blocks this line is not part of: deeper ones, and a
+            # sequence at its own column when the line is not an item.
+            while top[0] > indent or (top[2] and top[0] == indent and not dash):
+                stack.pop()
+                if not stack:
+                    return None
+                top = stack[-1]
+            if top[0] != indent:
+                return None
+            if dash:
+                if not top[2]:
+                    return None
+                if not key:
+                    value = _subset_scalar(item, memo)
+                    if value is _DECLINE:
+                        return None
+                    top[1].append(value)
+                    continue
+                opened = [indent + len(dash), {}, False, None]
+                top[1].append(opened[1])
+                stack.append(opened)
+                top = opened
+            elif top[2] or not key:
+                return None
+        if len(key) > _MAX_KEY:
+            return None
+        first = key[0]
+        if first == "'":
+            name: object = key[1:-1].replace("''", "'")
+        elif first == '"':
+            name = key[1:-1]
+        else:
+            name = memo.get(key, memo)
+            if name is memo:
+                name = memo[key] = _plain(key)
+            if type(name) is not str:
+                return None  # ``1:``, ``true:``, ``<<:``: PyYAML builds those.
+        if key_value:
+            value = _subset_scalar(key_value, memo)
+            if value is _DECLINE:
+                return None
+            top[1][name] = value
+        else:
+            top[1][name] = None
+            top[3] = name
+    return docs
+
+
+# Chunks.
+
+_MARKER = re.compile(r"\n(?=---(?:[ \t\r\n]|\Z))")
+"""The line break before a document marker line."""
+_UNUSUAL_BREAK = re.compile("[\x85\u2028\u2029]")
+_NON_PRINTABLE = re.compile("[^\t\n\r -~\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""What YAML's reader refuses, anywhere in a stream."""
+
+
+def _starts_with_marker(chunk: str) -> bool:
+    return chunk.startswith("---") and chunk[3:4] in ("", " ", "\t", "\r", "\n")
+
+
+def _marker_at(text: str, i: int) -> bool:
+    """Whether a document marker line starts at ``text[i]``."""
+    return (i == 0 or text[i - 1] == "\n") and _starts_with_marker(text[i : i + 4])
+
+
+def _split(text: str, start: int, end: int) -> list[tuple[int, str]]:
+    """``text[start:end]`` cut before each marker line, as (offset, chunk) pairs.
+
+    ``start`` and ``end`` must themselves be chunk boundaries.
+    """
+    cuts = [start, *(m.start() + 1 for m in _MARKER.finditer(text, start, end)), end]
+    return [(a, text[a:b]) for a, b in pairwise(cuts) if a < b]
+
+
+def _unusual(chunk: str, first: bool) -> bool:
+    """Whether ``chunk`` holds something the split into chunks cannot vouch for.
+
+    Lines that start with ``...`` or ``%`` may end a document or carry a
+    directive for the next; a lone CR, NEL, LS or PS is a line break to YAML
+    but not to the split; a byte-order mark is only harmless as the stream's
+    first character. Each is rare enough to simply decode the whole stream.
+    """
+    if "\n..." in chunk or "\n%" in chunk or (first and chunk.startswith(("...", "%"))):
+        return True
+    if "\r" in chunk and chunk.count("\r") != chunk.count("\r\n"):
+        return True
+    return not chunk.isascii() and (
+        "\ufeff" in (chunk[1:] if first else chunk) or _UNUSUAL_BREAK.search(chunk) is not None
+    )
+
+
+class _Whole(Exception):
+    """The stream must be decoded as a whole (see ``_unusual``)."""
+
+
+def _chunk_error(text: str, start: int, end: int) -> StateError:
+    """The syntax error the whole stream reports for the broken chunk ``text[start:end]``.
+
+    PyYAML stops at the first error in stream order, and every chunk before
+    this one decoded cleanly. The chunk is decoded again together with the
+    next marker line, so a scalar that the marker cuts off fails as it does
+    in the whole stream ("unexpected document indicator", not "unexpected
+    end of stream"), and line numbers are shifted to the whole file. A
+    character YAML's reader refuses anywhere would be reported first by a
+    whole-stream read, so that case is left to one.
+    """
+    if _NON_PRINTABLE.search(text):
+        raise _Whole
+    stop = text.find("\n", end)
+    try:
+        list(yaml.load_all(text[start : len(text) if stop < 0 else stop + 1], Loader=_LOADER))
+    except yaml.MarkedYAMLError as err:
+        return _yaml_problem(err, text.count("\n", 0, start))
+    except yaml.YAMLError:
+        pass
+    raise _Whole
+
+
+# -- the entry points ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ParseStats:
+    """What one ``StateParser.parse`` did: tests count decodes instead of timing them.
+
+    Chunks hold one document each, except a leading one that holds only
+    comments. In ``whole`` mode ``pyyaml`` counts documents.
+    """
+
+    mode: Literal["chunks", "whole", "json"] = "chunks"
+    chunks: int = 0
+    """Chunks in the stream."""
+    reused: int = 0
+    """Chunks whose verdicts came from the cache, model objects and all."""
+    subset: int = 0
+    """Chunks decoded by the block-subset reader."""
+    pyyaml: int = 0
+    """Chunks (or documents) decoded by PyYAML."""
+
+
+class StateParser:
+    """Parses successive versions of one state, decoding only what changed.
+
+    Same answers as ``parse_state`` (which is a fresh StateParser per call),
+    same problems in the same order; the module docstring explains how.
+
+    It keeps the chunks of the last stream it could cut into chunks and
+    decode to the end (a syntax error leaves them alone): about 1x the text,
+    plus the verdicts whose model objects the published snapshot holds
+    anyway. That is the whole cache, so it is bounded by one state. Not
+    thread-safe; one per source.
+    """
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self._starts = array("q", [0])
+        """Where each chunk starts in the last stream, and its length at the end."""
+        self._linker = _Linker()
+        self.last = ParseStats()
+
+    def parse(self, text: str, generation: int = 0) -> Snapshot:
+        """Parse ``text``; raises ``StateError`` exactly as ``parse_state`` would."""
+        stats = self.last = ParseStats()
+        with _gc_paused():
+            doc = _json_document(text)
+            if doc is not _DECLINE:
+                stats.mode = "json"
+                self.__init__()  # type: ignore[misc]  # A JSON state has no chunks to keep.
+                self.last = stats
+                return _link([_judge(doc)], generation)
+            try:
+                self._update(text, stats)
+            except _Whole:
+                stats.mode = "whole"
+                docs = _load_all(text)
+                stats.pyyaml = len(docs)
+                return _link(map(_judge, docs), generation)
+            return self._linker.snapshot(generation)
+
+    def _update(self, text: str, stats: ParseStats) -> None:
+        """Bring the chunks, their verdicts and the linker up to ``text``.
+
+        The chunks that did not change are found by comparing last time's,
+        in C, with the text at the same offset from the front, then at the
+        same distance from the back (memcmp, no copy, no hash); one edit
+        leaves one chunk in between. What lies in between is split afresh and
+        looked up by text among last time's chunks in between (a document
+        that moved), and only what is still unknown is decoded. Nothing is
+        kept until every new chunk has decoded.
+        """
+        texts, starts = self._texts, self._starts
+        count, n = len(texts), len(text)
+        delta = n - starts[count]
+        same = text.startswith
+
+        prefix = len(list(takewhile(bool, map(same, texts, starts))))
+        pos = starts[prefix]
+        if prefix and not (pos == n or _marker_at(text, pos)):
+            # The last one grew: the text after it is no longer a new chunk.
+            prefix -= 1
+            pos = starts[prefix]
+
+        ends = map(add, reversed(starts[:count]), repeat(delta))
+        suffix = min(len(list(takewhile(bool, map(same, reversed(texts), ends)))), count - prefix)
+        while suffix:
+            # The first of them must start a chunk, after the ones in front.
+            index = count - suffix
+            start = starts[index] + delta
+            if start >= pos and (
+                start == 0 or (text[start - 1] == "\n" and (index or _starts_with_marker(texts[0])))
+            ):
+                break
+            suffix -= 1
+        first, stop = prefix, count - suffix
+        end = starts[stop] + delta
+
+        known = dict(zip(texts[first:stop], self._linker.chunks[first:stop], strict=True))
+        memo: dict[str, object] = {}
+        middle = _split(text, pos, end)
+        verdicts: list[tuple[_Verdict, ...]] = []
+        for start, chunk in middle:
+            verdict = known.get(chunk)
+            if verdict is None:
+                verdict = self._decode(text, start, chunk, memo, stats)
+            else:
+                stats.reused += 1
+            verdicts.append(verdict)
+
+        self._linker.replace(first, stop, verdicts)
+        texts[first:stop] = [chunk for _, chunk in middle]
+        tail = starts[stop:]
+        if delta:
+            tail = array("q", map(add, tail, repeat(delta)))
+        starts[first:] = array("q", [start for start, _ in middle]) + tail
+        stats.reused += first + suffix
+        stats.chunks = len(texts)
+
+    @staticmethod
+    def _decode(
+        text: str, start: int, chunk: str, memo: dict[str, object], stats: ParseStats
+    ) -> tuple[_Verdict, ...]:
+        """Decode and judge one new chunk, which starts at ``text[start]``."""
+        if _unusual(chunk, start == 0):
+            raise _Whole
+        docs = _read_subset(chunk, memo)
+        if docs is None:
+            stats.pyyaml += 1
+            try:
+                docs = list(yaml.load_all(chunk, Loader=_LOADER))
+            except yaml.MarkedYAMLError:
+                raise _chunk_error(text, start, start + len(chunk)) from None
+            except yaml.YAMLError:
+                raise _Whole from None
+        else:
+            stats.subset += 1
+        # A marker chunk is one document; a leading chunk is one or none.
+        if len(docs) != 1 if _starts_with_marker(chunk) else len(docs) > 1:
+            raise _Whole
+        return tuple(map(_judge, docs))
+
+
+def parse_objects(documents: Iterable[object], generation: int = 0) -> Snapshot:
+    """Build a Snapshot from already-decoded YAML/JSON documents.
+
+    Each document is an object, a List, or None (an empty document). This is
+    ``parse_state`` minus the decoding, for sources that decode themselves
+    (JSON from an API server, tests).
+    """
+    with _gc_paused():
+        return _link(map(_judge, documents), generation)
 
 
 def parse_state(text: str, generation: int = 0) -> Snapshot:
-    """Parse a YAML stream of Nodes, Services and EndpointSlices into a Snapshot.
+    """Parse a YAML (or JSON) stream of Nodes, Services and EndpointSlices into a Snapshot.
 
     Raises ``StateError`` listing every problem found; see the module
-    docstring for what is checked and what is silently dropped.
+    docstring for what is checked and what is silently dropped. Stateless:
+    a source that parses new versions of one state should keep a
+    ``StateParser`` instead.
+    """
+    return StateParser().parse(text, generation)
+
+
+def _parse_whole(text: str, generation: int = 0) -> Snapshot:
+    """``parse_state`` the plain way: PyYAML decodes the whole stream at once.
+
+    What ``StateParser`` falls back to, and what the tests hold it to.
     """
     with _gc_paused():
-        return parse_objects(_load_all(text), generation)
+        return _link(map(_judge, _load_all(text)), generation)
 
 
 def parse_file(path: str | Path, generation: int = 0) -> Snapshot:

@@ -5,8 +5,8 @@ address receive the backend's replies, in the namespace kpx runs in, and the
 socket options of such a socket.
 
 - nft table ``inet kpx_tproxy``: in prerouting at mangle priority, packets
-  that belong to a transparent socket get ``meta mark set <mark>``;
-- ``ip rule add fwmark <mark> lookup <table> pref <pref>`` and
+  that belong to a transparent socket get the ``<mark>`` bit OR-ed in;
+- ``ip rule add fwmark <mark>/<mark> lookup <table> pref <pref>`` and
   ``ip route add local 0.0.0.0/0 dev lo table <table>``: marked packets are
   delivered locally instead of being forwarded to the (non-local) client IP.
 
@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 IP_TRANSPARENT = 19
 IP_BIND_ADDRESS_NO_PORT = 24
 
-DEFAULT_MARK = 0x6B7078
-"""'kpx' in ASCII. kube-proxy uses bits 0x4000/0x8000, Calico the high 16 bits."""
+DEFAULT_MARK = 0x2000
+"""One bit, OR-ed into the mark and matched under a mask, so kpx shares the mark
+with others: kube-proxy owns 0x4000/0x8000, Calico the high 16 bits, Cilium
+the 0x0F00 nibble."""
 DEFAULT_TABLE = 7078
 DEFAULT_RULE_PREF = 7078
 """After the ``local`` rule (0), before ``main`` (32766)."""
@@ -52,6 +54,8 @@ _TIMEOUT = 5.0
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
+    """Where the return path lives; every value is overridable (future flags)."""
+
     mark: int = DEFAULT_MARK
     table: int = DEFAULT_TABLE
     rule_pref: int = DEFAULT_RULE_PREF
@@ -71,14 +75,15 @@ def nft_ruleset(cfg: RoutingConfig) -> str:
         f"table inet {cfg.nft_table} {{\n"
         f"  chain prerouting {{\n"
         f"    type filter hook prerouting priority mangle; policy accept;\n"
-        f"    meta l4proto tcp socket transparent 1 meta mark set {cfg.mark:#x}\n"
+        f"    meta l4proto tcp socket transparent 1 meta mark set meta mark or {cfg.mark:#x}\n"
         f"  }}\n"
         f"}}\n"
     )
 
 
 def _rule_args(cfg: RoutingConfig) -> list[str]:
-    return ["pref", str(cfg.rule_pref), "fwmark", f"{cfg.mark:#x}", "lookup", str(cfg.table)]
+    mark = f"{cfg.mark:#x}/{cfg.mark:#x}"
+    return ["pref", str(cfg.rule_pref), "fwmark", mark, "lookup", str(cfg.table)]
 
 
 def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -140,8 +145,9 @@ class TransparentRouting:
             return False
         self.active = True
         log.info(
-            "transparent return path installed: nft table inet %s, fwmark %#x -> table %d "
-            "(pref %d)", self.cfg.nft_table, self.cfg.mark, self.cfg.table, self.cfg.rule_pref,
+            "transparent return path installed: nft table inet %s, fwmark %#x/%#x -> table %d "
+            "(pref %d)", self.cfg.nft_table, self.cfg.mark, self.cfg.mark, self.cfg.table,
+            self.cfg.rule_pref,
         )
         return True
 
@@ -160,13 +166,18 @@ class TransparentRouting:
                 return
 
     def _cleanup(self) -> None:
-        """Best effort removal of everything ``install`` may have created."""
+        """Best effort removal of everything ``install`` may have created.
+
+        Quiet: after a failed install, the one warning has already been given.
+        """
         try:
-            _run(["nft", "delete", "table", "inet", self.cfg.nft_table])
-            self._remove_rules()
-            _run(["ip", "-4", "route", "flush", "table", str(self.cfg.table)])
+            if shutil.which("nft") is not None:
+                _run(["nft", "delete", "table", "inet", self.cfg.nft_table])
+            if shutil.which("ip") is not None:
+                self._remove_rules()
+                _run(["ip", "-4", "route", "flush", "table", str(self.cfg.table)])
         except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("could not remove transparent routing: %s", exc)
+            log.debug("transparent routing cleanup: %s", exc)
 
 
 def upstream_socket(client_ip: str | None) -> socket.socket:

@@ -1,0 +1,266 @@
+"""Listeners: reconcile to the plans, REJECT by absence, back-off, capacity.
+
+In-process on loopback, except the EMFILE test, which runs the Dataplane in a
+child process (dp_driver.py) whose fds are exhausted on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from dpkit import Driver, cpu_seconds, endpoint_slice, node, service, ss_listening, wait_for
+from dploop import NODE, NODE_IP, free_port, run_on, snap
+
+from proxy.dataplane import Dataplane, listen_addresses
+from proxy.listener import Listener
+
+
+def web(node_port: int, port: int, *, ready: bool = True, etp: str = "Cluster",
+        ep_node: str = NODE, node_ips: tuple[str, ...] = (NODE_IP,)):
+    return (
+        node(NODE, *node_ips),
+        service("web", node_port, port, etp=etp),
+        endpoint_slice("web", port, [("127.0.0.1", ep_node)], ready=ready),
+    )
+
+
+def peer_name(port: int, addr: str = NODE_IP, timeout: float = 3.0) -> str:
+    with socket.create_connection((addr, port), timeout=timeout) as s:
+        s.sendall(b"PEER\n")
+        return s.recv(100).decode().split()[0]
+
+
+def test_listen_addresses_follow_nodeport_cidrs() -> None:
+    import ipaddress
+
+    nets = lambda *c: [ipaddress.ip_network(x) for x in c]  # noqa: E731
+    ips = ["10.0.0.5", "192.168.9.9"]
+    assert listen_addresses(ips, None, True) == ["10.0.0.5", "192.168.9.9", "127.0.0.1"]
+    assert listen_addresses(ips, None, False) == ["10.0.0.5", "192.168.9.9"]
+    assert listen_addresses(ips, nets("10.0.0.0/8"), True) == ["10.0.0.5"]
+    assert listen_addresses(ips, nets("127.0.0.0/8", "192.168.0.0/16"), True) == [
+        "192.168.9.9", "127.0.0.1"]
+    assert listen_addresses(ips, nets("fd00::/8"), True) == []
+
+
+def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backends) -> None:
+    be = backends()
+    a, b = free_port(), free_port()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        try:
+            dp.apply(snap(*web(a, be.port)))
+            assert dp.listeners() == [("127.0.0.1", a, "serving"), (NODE_IP, a, "serving")]
+            assert len(ss_listening(a)) == 2
+            assert await asyncio.to_thread(peer_name, a) == "b"
+
+            dp.apply(snap(*web(b, be.port), generation=2))  # the nodePort moved
+            assert ss_listening(a) == []
+            assert len(ss_listening(b)) == 2
+            assert await asyncio.to_thread(peer_name, b, "127.0.0.1") == "b"
+
+            dp.apply(snap(node(NODE, NODE_IP), generation=3))  # service deleted
+            assert dp.listeners() == []
+            assert ss_listening(a) == [] and ss_listening(b) == []
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.to_thread(peer_name, b)
+        finally:
+            dp.close()
+        assert ss_listening(b) == []
+
+    run_on(loop_kind, scenario)
+
+
+def test_no_usable_endpoint_means_no_listener_and_econnrefused(backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        try:
+            dp.apply(snap(*web(np_, be.port, ready=False)))  # unready, not serving
+            assert dp.listeners() == []
+            assert ss_listening(np_) == []
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.to_thread(peer_name, np_)
+            assert time.monotonic() - t0 < 0.5, "REJECT is immediate, not a timeout"
+            dp.apply(snap(*web(np_, be.port), generation=2))
+            assert await asyncio.to_thread(peer_name, np_) == "b"
+        finally:
+            dp.close()
+
+    run_on("uvloop", scenario)
+
+
+def test_nodeport_addresses_restrict_listeners(backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        for cidrs, expected in [
+            (["127.0.0.2/32"], [(NODE_IP, np_, "serving")]),
+            (["10.0.0.0/8"], []),
+            (["127.0.0.0/8"], [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "serving")]),
+        ]:
+            dp = Dataplane(NODE, loop=loop, nodeport_cidrs=cidrs)
+            try:
+                dp.apply(snap(*web(np_, be.port)))
+                assert dp.listeners() == expected, cidrs
+            finally:
+                dp.close()
+
+    run_on("uvloop", scenario)
+
+
+def test_unassigned_node_ip_is_logged_once_and_retried(backends, caplog) -> None:
+    be = backends()
+    np_ = free_port()
+    caplog.set_level(logging.INFO, logger="proxy.dataplane")
+    absent = "192.0.2.77"  # TEST-NET-1: never assigned here; bind() fails, nothing is sent
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), retry_interval=0.05)
+        try:
+            dp.apply(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
+            await asyncio.sleep(0.3)  # several retries
+            assert dp.listeners() == [
+                ("127.0.0.1", np_, "serving"),
+                (NODE_IP, np_, "serving"),
+                (absent, np_, "error: Cannot assign requested address"),
+            ]
+            assert await asyncio.to_thread(peer_name, np_) == "b"
+        finally:
+            dp.close()
+
+    run_on("uvloop", scenario)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "default/web" in warnings[0] and f"{absent}:{np_}" in warnings[0]
+    assert "retrying" in warnings[0]
+
+
+def test_drop_state_on_node_ips_never_on_localhost(backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        try:
+            # eTP=Local, the only endpoint on another node: DROP external.
+            dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
+            assert dp.listeners() == [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "dropping")]
+            # Loopback sources pass the filter and get Cluster semantics.
+            assert await asyncio.to_thread(peer_name, np_, NODE_IP) == "b"
+            assert await asyncio.to_thread(peer_name, np_, "127.0.0.1") == "b"
+            dp.apply(snap(*web(np_, be.port, etp="Local"), generation=2))
+            assert dp.listeners() == [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "serving")]
+        finally:
+            dp.close()
+
+    run_on("uvloop", scenario)
+
+
+def test_capacity_limit_queues_clients_instead_of_refusing(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    def drip() -> int:
+        with socket.create_connection((NODE_IP, np_), timeout=5) as s:
+            s.sendall(b"DRIP 8\n")
+            n = 0
+            while data := s.recv(4096):
+                n += data.count(b"drip")
+            return n
+
+    def third() -> tuple[str, float]:
+        t0 = time.monotonic()
+        with socket.create_connection((NODE_IP, np_), timeout=5) as s:
+            s.sendall(b"PEER\n")
+            return s.recv(100).decode().split()[0], time.monotonic() - t0
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), max_connections=2)
+        try:
+            dp.apply(snap(*web(np_, be.port)))
+            drips = [asyncio.ensure_future(asyncio.to_thread(drip)) for _ in range(2)]
+            for _ in range(100):
+                if dp.active_connections() == 2:
+                    break
+                await asyncio.sleep(0.01)
+            t = asyncio.ensure_future(asyncio.to_thread(third))
+            await asyncio.sleep(0.15)
+            assert not t.done()
+            assert (NODE_IP, np_, "paused") in dp.listeners()
+            assert [await d for d in drips] == [8, 8]
+            name, waited = await t
+            assert name == "b" and waited >= 0.2
+            for _ in range(100):  # resumed once the last relay has ended
+                if (NODE_IP, np_, "serving") in dp.listeners():
+                    break
+                await asyncio.sleep(0.01)
+            assert (NODE_IP, np_, "serving") in dp.listeners()
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_listener_close_removes_the_socket() -> None:
+    async def scenario() -> None:
+        port = free_port()
+        lis = Listener(asyncio.get_running_loop(), "127.0.0.1", port, lambda *a: None)
+        lis.open()
+        assert lis.state == "serving" and len(ss_listening(port)) == 1
+        lis.close()
+        lis.close()
+        assert lis.state == "closed" and ss_listening(port) == []
+
+    run_on("uvloop", scenario)
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_emfile_backs_off_without_spinning_then_recovers(tmp_path: Path, backends, loop) -> None:
+    be = backends()
+    np_ = free_port()
+    drv = Driver(tmp_path, NODE, "--hog-fds", "--loop", loop, "--max-connections", "0",
+                 stdin=True)
+    clients: list[socket.socket] = []
+    try:
+        drv.start(*web(np_, be.port))
+        st = wait_for(lambda: drv.status().get("hogged"), what="fds hogged")
+        assert st > 0
+        # The kernel completes these handshakes; the dataplane cannot accept.
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", np_), timeout=2)
+            s.sendall(b"PEER\n")
+            s.settimeout(0.3)
+            clients.append(s)
+        for s in clients:
+            # Neither served, nor accepted-then-closed (EOF), nor reset.
+            with pytest.raises(TimeoutError):
+                s.recv(100)
+        pid = drv.status()["pid"]
+        c0 = cpu_seconds(pid)
+        time.sleep(1.0)
+        assert cpu_seconds(pid) - c0 < 0.3, "accept errors must not spin"
+
+        drv.send("FREE")
+        for s in clients:
+            s.settimeout(5)
+            assert s.recv(100).decode().split()[0] == "b"
+    finally:
+        for s in clients:
+            s.close()
+        drv.stop()
+    logs = drv.logs()
+    episodes = logs.count("accept failed")
+    assert 1 <= episodes <= 2, logs  # once per listener that hit it, not per attempt
+    assert "Too many open files" in logs and "backing off" in logs

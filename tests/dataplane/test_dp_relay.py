@@ -1,0 +1,460 @@
+"""The relay, in-process on loopback: bytes, half-close, resets, retries, limits.
+
+Clients are blocking sockets in worker threads (real, independent peers);
+the Dataplane runs on the test's event loop, uvloop and asyncio both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+
+import dp_backend
+import pytest
+from dpkit import endpoint_slice, node, service
+from dploop import NODE, NODE_IP, free_port, run_on, snap
+
+from proxy import metrics
+from proxy.dataplane import Dataplane
+from proxy.forwarder import HIGH_WATER
+
+MiB = 1024 * 1024
+
+
+def two_way_state(node_port: int, port: int, *ips: str, affinity: int | None = None):
+    return (
+        node(NODE, NODE_IP),
+        service("web", node_port, port, affinity_seconds=affinity),
+        endpoint_slice("web", port, [(ip, NODE) for ip in ips]),
+    )
+
+
+def connect(port: int, addr: str = NODE_IP, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection((addr, port), timeout=timeout)
+
+
+def read_all(s: socket.socket, limit: int = 1 << 30) -> bytes:
+    buf = bytearray()
+    while len(buf) < limit:
+        data = s.recv(262144)
+        if not data:
+            break
+        buf += data
+    return bytes(buf)
+
+
+def counter(metric, *labels: str) -> float:
+    return metric.labels(*labels)._value.get()
+
+
+def test_halfclose_64mib_upload_sha_intact(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+    block = os.urandom(MiB)
+    digest = hashlib.sha256(block * 64).hexdigest()
+
+    def client() -> str:
+        with connect(np_) as s:
+            s.sendall(b"SHA\n")
+            for _ in range(64):
+                s.sendall(block)
+            s.shutdown(socket.SHUT_WR)  # half-close: the answer must still come
+            return read_all(s).decode()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            answer = await asyncio.to_thread(client)
+            assert answer.split() == [digest, str(64 * MiB)]
+            await asyncio.sleep(0.05)
+            assert dp.active_connections() == 0, "the half-closed pair must be closed"
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_halfclose_echo_and_download_intact(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+    payload = os.urandom(8 * MiB)
+    n = 32 * MiB
+
+    def echo() -> bytes:
+        with connect(np_) as s:
+            s.sendall(b"ECHO\n")
+            got: list[bytes] = []
+            reader = threading.Thread(target=lambda: got.append(read_all(s)))
+            reader.start()
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            reader.join(20)
+            return got[0]
+
+    def download() -> str:
+        with connect(np_) as s:
+            s.sendall(f"SEND {n}\n".encode())
+            return hashlib.sha256(read_all(s)).hexdigest()
+
+    expected = hashlib.sha256(b"".join(dp_backend.pattern_stream(n))).hexdigest()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            assert await asyncio.to_thread(echo) == payload
+            assert await asyncio.to_thread(download) == expected
+            await asyncio.sleep(0.05)
+            assert dp.active_connections() == 0
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_backend_rst_resets_client(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    def client() -> str:
+        with connect(np_) as s:
+            s.sendall(b"RST\n")
+            assert s.recv(3) == b"ok\n"
+            s.sendall(b"x")  # the backend now closes with an RST
+            try:
+                data = s.recv(10)
+            except ConnectionResetError:
+                return "reset"
+            return f"got {data!r}"
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            assert await asyncio.to_thread(client) == "reset"
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_client_rst_resets_backend(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    def client() -> None:
+        s = connect(np_)
+        s.sendall(b"ECHO\nabc")
+        assert s.recv(3) == b"abc"
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            await asyncio.to_thread(client)
+            for _ in range(100):
+                if be.events:
+                    break
+                await asyncio.sleep(0.02)
+            assert be.events == [("ECHO", "reset")]
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_upstream_close_is_a_fin_not_a_reset(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    def client() -> bytes:
+        with connect(np_) as s:
+            s.sendall(b"SEND 1000\n")
+            return read_all(s)  # EOF, not ConnectionResetError
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            assert len(await asyncio.to_thread(client)) == 1000
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_refused_endpoint_retried_on_another(loop_kind: str, backends, caplog) -> None:
+    port = free_port("127.0.0.9")
+    be = backends("127.0.0.9", port, name="good")
+    np_ = free_port()
+    caplog.set_level(logging.WARNING, logger="proxy.forwarder")
+    key = "default/web"
+    failures0 = counter(metrics.UPSTREAM_CONNECT_FAILURES, key)
+
+    def client() -> str:
+        with connect(np_) as s:
+            s.sendall(b"PEER\n")
+            return read_all(s).decode().split()[0]
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        # 127.0.0.5 has nothing on that port: ECONNREFUSED, sorted first.
+        dp.apply(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.9")))
+        try:
+            names = [await asyncio.to_thread(client) for _ in range(4)]
+            assert names == ["good"] * 4
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+    assert counter(metrics.UPSTREAM_CONNECT_FAILURES, key) - failures0 >= 2
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(
+        key in m and f"127.0.0.5:{port}" in m and "127.0.0.1:" in m and "refused" in m.lower()
+        for m in msgs
+    ), msgs
+    assert len(be.seen) == 4
+
+
+def test_every_endpoint_refused_resets_client(loop_kind: str) -> None:
+    port = free_port("127.0.0.5")
+    np_ = free_port()
+    rejected0 = counter(metrics.CONNECTIONS_REJECTED, "default/web")
+
+    def client() -> str:
+        # On loopback the RST can arrive before connect() even returns.
+        try:
+            with connect(np_) as s:
+                s.sendall(b"PEER\n")
+                return f"data {s.recv(10)!r}"
+        except ConnectionResetError:
+            return "reset"
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.6")))
+        try:
+            assert await asyncio.to_thread(client) == "reset"
+            await asyncio.sleep(0.02)
+            assert dp.active_connections() == 0
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+    assert counter(metrics.CONNECTIONS_REJECTED, "default/web") - rejected0 == 1
+
+
+def _max_buffered(dp: Dataplane) -> int:
+    worst = 0
+    for relay in dp.forwarder.active:
+        for side in (relay.client, relay.upstream):
+            t = side.transport
+            if t is not None and not t.is_closing():
+                worst = max(worst, t.get_write_buffer_size())
+    return worst
+
+
+# One read (uvloop reads up to 256 KiB at a time) may land on top of a full buffer.
+BUFFER_BOUND = HIGH_WATER + 256 * 1024
+
+
+def test_backpressure_slow_backend_bounds_memory(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+    stop = threading.Event()
+    sent = [0]
+
+    def client() -> None:
+        with connect(np_) as s:
+            s.sendall(b"HOLD\n")
+            s.settimeout(0.5)
+            chunk = b"x" * 65536
+            deadline = time.monotonic() + 8
+            try:
+                while not stop.is_set() and time.monotonic() < deadline:
+                    sent[0] += s.send(chunk)
+            except TimeoutError:
+                pass  # everything is full: the proxy stopped reading us
+            stop.wait(5)
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            t = asyncio.ensure_future(asyncio.to_thread(client))
+            worst = 0
+            last, still = -1, 0.0
+            # Sample while the client pushes, until it has made no progress
+            # for 0.3 s: stalled by flow control, not absorbed by the proxy.
+            for _ in range(300):
+                await asyncio.sleep(0.02)
+                worst = max(worst, _max_buffered(dp))
+                still = still + 0.02 if sent[0] == last else 0.0
+                last = sent[0]
+                if still >= 0.3 and be.holding.is_set():
+                    break
+            assert still >= 0.3, "the client must end up stalled"
+            assert worst <= BUFFER_BOUND, worst
+            stop.set()
+            await t
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_backpressure_slow_client_bounds_memory_and_loses_nothing(
+    loop_kind: str, backends
+) -> None:
+    be = backends()
+    np_ = free_port()
+    n = 48 * MiB
+    go = threading.Event()
+
+    def client() -> int:
+        with connect(np_) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            s.sendall(f"SEND {n}\n".encode())
+            go.wait(10)  # a slow reader: nothing is read for a while
+            return len(read_all(s))
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            t = asyncio.ensure_future(asyncio.to_thread(client))
+            worst = 0
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                worst = max(worst, _max_buffered(dp))
+            assert worst <= BUFFER_BOUND, worst
+            go.set()
+            assert await t == n
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_drain_waits_for_live_connections_then_resets_the_rest(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    def drip() -> bytes:
+        with connect(np_) as s:
+            s.sendall(b"DRIP 8\n")
+            return read_all(s)
+
+    def hold(result: list[str]) -> None:
+        with connect(np_) as s:
+            s.sendall(b"HOLD\n")
+            try:
+                data = s.recv(10)
+                result.append(f"eof {data!r}")
+            except ConnectionResetError:
+                result.append("reset")
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            t = asyncio.ensure_future(asyncio.to_thread(drip))
+            await asyncio.sleep(0.1)
+            await dp.stop_accepting()
+            assert dp.listeners() == []
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.to_thread(connect, np_)
+            assert await dp.drain(3.0) == 0  # the drip ends well within grace
+            assert (await t).count(b"drip") == 8
+
+            # Now one that never ends: reset at the deadline.
+            dp2 = Dataplane(NODE, loop=asyncio.get_running_loop())
+            dp2.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+            result: list[str] = []
+            t2 = asyncio.ensure_future(asyncio.to_thread(hold, result))
+            for _ in range(100):
+                if be.holding.is_set():
+                    break
+                await asyncio.sleep(0.02)
+            await dp2.stop_accepting()
+            t0 = time.monotonic()
+            assert await dp2.drain(0.3) == 1
+            assert time.monotonic() - t0 < 1.5
+            await t2
+            assert result == ["reset"]
+            assert dp2.active_connections() == 0
+            dp2.close()
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_affinity_survives_reload(loop_kind: str, backends) -> None:
+    port = free_port("127.0.0.7")
+    backends("127.0.0.7", port, name="a")
+    backends("127.0.0.8", port, name="b")
+    np_ = free_port()
+
+    def who() -> str:
+        with connect(np_) as s:
+            s.sendall(b"PEER\n")
+            return read_all(s).decode().split()[0]
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        try:
+            dp.apply(snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8", affinity=60)))
+            first = {await asyncio.to_thread(who) for _ in range(4)}
+            assert len(first) == 1
+            # An unrelated change is a new snapshot; the balancer must persist.
+            objs = two_way_state(np_, port, "127.0.0.7", "127.0.0.8", affinity=60)
+            dp.apply(snap(*objs, service("other", free_port(), 9), generation=2))
+            again = {await asyncio.to_thread(who) for _ in range(4)}
+            assert again == first
+            dp.apply(snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8"), generation=3))
+            spread = {await asyncio.to_thread(who) for _ in range(4)}
+            assert spread == {"a", "b"}
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+
+
+def test_metrics_count_bytes_once_at_close(loop_kind: str, backends) -> None:
+    be = backends()
+    np_ = free_port()
+    key = "default/web"
+    up0 = counter(metrics.BYTES, key, "to_endpoint")
+    down0 = counter(metrics.BYTES, key, "to_client")
+    fwd0 = counter(metrics.CONNECTIONS_FORWARDED, key, "true")
+
+    def client() -> None:
+        with connect(np_) as s:
+            s.sendall(b"SEND 5000\n")
+            assert len(read_all(s)) == 5000
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+        try:
+            await asyncio.to_thread(client)
+            await asyncio.sleep(0.05)
+            assert metrics.ACTIVE_CONNECTIONS.labels(key)._value.get() == 0
+        finally:
+            dp.close()
+
+    run_on(loop_kind, scenario)
+    assert counter(metrics.BYTES, key, "to_endpoint") - up0 == len(b"SEND 5000\n")
+    assert counter(metrics.BYTES, key, "to_client") - down0 == 5000
+    # Node-originated (loopback client): always SNAT.
+    assert counter(metrics.CONNECTIONS_FORWARDED, key, "true") - fwd0 == 1

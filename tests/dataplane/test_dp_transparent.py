@@ -1,0 +1,65 @@
+"""The transparent-mode pieces that need no namespace: ruleset text, sockets.
+
+Installing and removing the routing is tested only inside a test namespace
+(test_dp_netns.py); nothing here changes any routing or firewall state.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from proxy.transparent import (
+    IP_TRANSPARENT,
+    RoutingConfig,
+    TransparentRouting,
+    nft_ruleset,
+    upstream_socket,
+)
+
+
+def test_ruleset_replaces_the_table_atomically() -> None:
+    text = nft_ruleset(RoutingConfig(mark=0x1234, nft_table="t1"))
+    lines = [ln.strip() for ln in text.splitlines()]
+    # Declare, delete, recreate: one transaction, whether or not a leftover exists.
+    assert lines[:3] == ["table inet t1", "delete table inet t1", "table inet t1 {"]
+    assert "type filter hook prerouting priority mangle; policy accept;" in lines
+    assert "meta l4proto tcp socket transparent 1 meta mark set meta mark or 0x1234" in lines
+
+
+def test_default_mark_is_one_bit_clear_of_other_proxies() -> None:
+    cfg = RoutingConfig()
+    assert bin(cfg.mark).count("1") == 1
+    assert cfg.mark & 0xC000 == 0  # kube-proxy's masquerade/drop bits
+    assert cfg.mark & 0xFFFF0F00 == 0  # Calico's high bits, Cilium's 0x0F00
+    assert 0 < cfg.rule_pref < 32766 and cfg.table not in (253, 254, 255)
+
+
+def test_remove_without_install_touches_nothing() -> None:
+    r = TransparentRouting()
+    r.remove()  # never installed: must not run any command
+    assert r.active is False
+
+
+def test_snat_upstream_socket_is_plain_and_nonblocking() -> None:
+    s = upstream_socket(None)
+    try:
+        assert s.getblocking() is False
+        assert s.getsockopt(socket.SOL_IP, IP_TRANSPARENT) == 0
+        assert s.getsockname() == ("0.0.0.0", 0)
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="IP_TRANSPARENT needs CAP_NET_ADMIN")
+def test_transparent_upstream_socket_binds_the_client_address_without_a_port() -> None:
+    # Binding a foreign address is a socket option, not a routing change.
+    s = upstream_socket("198.51.100.7")
+    try:
+        assert s.getsockopt(socket.SOL_IP, IP_TRANSPARENT) == 1
+        # IP_BIND_ADDRESS_NO_PORT: the port is chosen at connect(), per 4-tuple.
+        assert s.getsockname() == ("198.51.100.7", 0)
+    finally:
+        s.close()
