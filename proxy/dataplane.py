@@ -40,7 +40,7 @@ from proxy.decision import PortPlan, build_plans
 from proxy.forwarder import Forwarder, PortMetrics, PortState
 from proxy.listener import Listener
 from proxy.model import Snapshot
-from proxy.transparent import RoutingConfig, TransparentRouting
+from proxy.transparent import RoutingConfig, TransparentRouting, transparent_capable
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class Dataplane:
         retry_interval: float = 1.0,
         routing: RoutingConfig | None = None,
         cluster_cidrs: Iterable[str | Network] | None = None,
+        workers: int = 1,
+        install_routing: bool = True,
     ) -> None:
         self.node_name = node_name
         self.loop = loop
@@ -119,11 +121,16 @@ class Dataplane:
         self.backlog = backlog
         self.retry_interval = retry_interval
 
+        self.workers = workers
         self._routing: TransparentRouting | None = None
         transparent_ok = False
-        if transparent:
+        if transparent and install_routing:
             self._routing = TransparentRouting(routing)
             transparent_ok = self._routing.install()
+        elif transparent:
+            # A supervisor installed the namespace's return path for all its
+            # workers; this process only needs the socket option.
+            transparent_ok = transparent_capable() is None
         self.forwarder = Forwarder(
             loop,
             connect_timeout=connect_timeout,
@@ -306,6 +313,7 @@ class Dataplane:
             addr, port = key
             plan = self._plans[port]
             program = self._program if drop else None
+            steer = self.workers if self.workers > 1 and plan.affinity_seconds else 0
             if drop and program is None:
                 # No valid filter for these addresses: serving is the safer
                 # failure than dropping node-originated traffic too.
@@ -319,6 +327,7 @@ class Dataplane:
                         self.loop, addr, port, self.forwarder.on_accept,
                         admit=self.forwarder.has_capacity, on_blocked=self._on_blocked,
                         backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
+                        steer_workers=steer,
                     )
                     lis.open(program)
                     self._listeners[key] = lis
@@ -328,6 +337,7 @@ class Dataplane:
                     lis.label = plan.key
                     was = lis.dropping
                     lis.set_filter(program)
+                    lis.set_steering(steer)
                     if was != lis.dropping:
                         log.info("%s:%d (%s): %s", addr, port, plan.key,
                                  "dropping external SYNs: no local endpoint" if lis.dropping

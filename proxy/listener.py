@@ -70,6 +70,7 @@ class Listener:
         backlog: int = 1024,
         reuse_port: bool = False,
         label: str = "",
+        steer_workers: int = 0,
     ) -> None:
         self.loop = loop
         self.address = address
@@ -80,6 +81,8 @@ class Listener:
         self._on_blocked = on_blocked
         self._backlog = backlog
         self._reuse_port = reuse_port
+        self._steer = 0
+        self._want_steer = steer_workers
         self._sock: socket.socket | None = None
         self._fd = -1
         self._reading = False
@@ -132,6 +135,24 @@ class Listener:
         self._fd = s.fileno()
         self._filter = program
         self._start_reading()
+        if self._want_steer:
+            self.set_steering(self._want_steer)
+
+    def set_steering(self, workers: int) -> None:
+        """Steer by client IP over ``workers`` reuseport listeners (0: kernel hash).
+
+        Set after ``listen()``, when the socket is in its reuseport group; the
+        program belongs to the group, so every worker setting the same one is
+        harmless. Raises OSError.
+        """
+        self._want_steer = workers
+        if self._sock is None or workers == self._steer:
+            return
+        if workers > 1:
+            synfilter.attach_reuseport(self._sock, synfilter.reuseport_steering_program(workers))
+        else:
+            synfilter.detach_reuseport(self._sock)
+        self._steer = workers
 
     def set_filter(self, program: list[synfilter.Instruction] | None) -> None:
         """Attach, replace (``program``) or detach (None) the SYN filter. Raises OSError."""

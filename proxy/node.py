@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import resource
 import signal
 import socket
 import time
@@ -98,6 +99,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how long SIGTERM lets established connections drain (default 10s)",
     )
     parser.add_argument(
+        "--workers", type=int, default=1, metavar="N",
+        help="worker processes sharing the NodePorts via SO_REUSEPORT (default 1)",
+    )
+    parser.add_argument(
         "--connect-timeout", type=parse_duration, default=2.0, metavar="DURATION",
         help="upstream connect timeout per endpoint before trying another (default 2s)",
     )
@@ -122,6 +127,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
+    workers = max(1, args.workers)
+    worker_index = getattr(args, "worker_index", 0)
     dataplane = Dataplane(
         args.hostname_override,
         loop=loop,
@@ -130,6 +137,9 @@ async def serve(args: argparse.Namespace) -> int:
         transparent=not args.no_transparent,
         connect_timeout=args.connect_timeout,
         cluster_cidrs=args.cluster_cidr,
+        reuse_port=workers > 1,
+        workers=workers,
+        install_routing=workers == 1,
     )
     hub.subscribe(timed_reader(dataplane.apply))
 
@@ -139,7 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
     source.load()
 
     sidecar = None
-    if not args.no_healthz:
+    if not args.no_healthz and worker_index == 0:
         from healthz.sidecar import Sidecar
 
         sidecar = Sidecar(
@@ -176,10 +186,30 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def raise_nofile_limit() -> None:
+    """Every proxied connection holds two fds: take the hard limit, as kube-proxy's
+    userspace mode did, instead of failing at the soft default of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
+
+
+def run_worker(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        logging.getLogger(__name__).warning("uvloop missing; using the default asyncio loop")
+        log.warning("uvloop missing; using the default asyncio loop")
         return asyncio.run(serve(args))
     return uvloop.run(serve(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    raise_nofile_limit()
+    if args.workers > 1:
+        from proxy.workers import supervise
+
+        return supervise(args, run_worker)
+    return run_worker(args)

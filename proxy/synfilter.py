@@ -133,14 +133,18 @@ def run_program(program: list[Instruction], src_ip: str, tcp_flags: int) -> bool
     raise ValueError("program does not terminate")
 
 
-def attach(sock: socket.socket, program: list[Instruction]) -> None:
-    """Attach (or atomically replace) ``sock``'s filter. Raises OSError."""
+def _set_program(sock: socket.socket, option: int, program: list[Instruction]) -> None:
     raw = program_bytes(program)
     buf = ctypes.create_string_buffer(raw, len(raw))
     # struct sock_fprog { unsigned short len; struct sock_filter *filter; }:
     # native alignment pads the short to the pointer, as the kernel expects.
     fprog = struct.pack("HL", len(program), ctypes.addressof(buf))
-    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+    sock.setsockopt(socket.SOL_SOCKET, option, fprog)
+
+
+def attach(sock: socket.socket, program: list[Instruction]) -> None:
+    """Attach (or atomically replace) ``sock``'s filter. Raises OSError."""
+    _set_program(sock, SO_ATTACH_FILTER, program)
 
 
 def detach(sock: socket.socket) -> None:
@@ -151,3 +155,44 @@ def detach(sock: socket.socket) -> None:
         if exc.errno != errno.ENOENT:
             raise
 
+
+
+# -- worker steering ------------------------------------------------------------
+#
+# With ``--workers N`` every worker holds its own SO_REUSEPORT listener on the
+# same address and port. By default the kernel spreads connections over them
+# by a hash of the 4-tuple, so one client's connections land on different
+# workers, each with its own affinity table. For ClientIP session affinity
+# the group gets a reuseport program that picks the socket by the client's
+# IPv4 source address alone: the same client always meets the same worker,
+# hence the same affinity record.
+
+SO_ATTACH_REUSEPORT_CBPF = 51
+SO_DETACH_REUSEPORT_BPF = 68
+BPF_ALU_MOD_K = 0x94  # BPF_ALU | BPF_MOD | BPF_K
+BPF_RET_A = 0x16  # BPF_RET | BPF_A
+
+
+def reuseport_steering_program(workers: int) -> list[Instruction]:
+    """``socks[src_ip % workers]``: the index of the listener in the group."""
+    if workers < 1:
+        raise ValueError("workers must be at least 1")
+    return [
+        (BPF_LD_W_ABS, 0, 0, _u32(SKF_NET_OFF + IPV4_SRC_OFFSET)),
+        (BPF_ALU_MOD_K, 0, 0, workers),
+        (BPF_RET_A, 0, 0, 0),
+    ]
+
+
+def attach_reuseport(sock: socket.socket, program: list[Instruction]) -> None:
+    """Set the reuseport group's selection program (after ``listen``). Raises OSError."""
+    _set_program(sock, SO_ATTACH_REUSEPORT_CBPF, program)
+
+
+def detach_reuseport(sock: socket.socket) -> None:
+    """Back to the kernel's 4-tuple hash; a group without a program is left as it is."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, 0)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise

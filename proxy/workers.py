@@ -1,0 +1,97 @@
+"""``kpx node --workers N``: several processes sharing the NodePorts.
+
+Owns: forking the workers, passing signals on, restarting a worker that
+dies, and the namespace-wide return-path routing that all workers share
+(installed once here, so no worker's exit can remove it under the others).
+
+Never: proxy a connection itself. Each worker is a complete ``kpx node``
+(its own state source, plans and balancers) on SO_REUSEPORT listeners; the
+kernel spreads connections over them. For ClientIP-affinity services the
+listeners carry a reuseport program that picks the worker by client IP
+(``synfilter.reuseport_steering_program``), so affinity holds across workers.
+Only worker 0 runs the healthz sidecar, so its ports are bound once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from proxy.transparent import TransparentRouting
+
+log = logging.getLogger(__name__)
+
+RESTART_BACKOFF = 1.0
+"""Seconds between restarts of a crashing worker, so a crash loop cannot spin."""
+
+
+def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace], int]) -> int:
+    """Run ``args.workers`` forked workers until SIGTERM/SIGINT; exit 0 when all stopped."""
+    routing: TransparentRouting | None = None
+    if not args.no_transparent:
+        routing = TransparentRouting()
+        if not routing.install():
+            args.no_transparent = True
+            routing = None
+    children: dict[int, int] = {}
+    stopping = False
+
+    def spawn(index: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
+            code = 1
+            try:
+                args.worker_index = index
+                code = run_worker(args)
+            except BaseException:
+                log.exception("worker %d crashed", index)
+            finally:
+                os._exit(code)
+        children[pid] = index
+        log.info("worker %d started (pid %d)", index, pid)
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            stopping = True
+        for pid in list(children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        for i in range(args.workers):
+            spawn(i)
+        while children:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            index = children.pop(pid, None)
+            if index is None:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            if stopping:
+                log.info("worker %d (pid %d) exited with %d", index, pid, code)
+                continue
+            log.error("worker %d (pid %d) died with %d; restarting", index, pid, code)
+            time.sleep(RESTART_BACKOFF)
+            if not stopping:
+                spawn(index)
+    finally:
+        for pid in list(children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if routing is not None:
+            routing.remove()
+    return 0
