@@ -1,0 +1,127 @@
+"""The backends every contender forwards to: HTTP, the exact bulk sink and iperf3 per pod.
+
+Why HAProxy as the HTTP backend: nginx is not installed here, and HAProxy's
+``http-request return`` answers a static 200 from C with no file I/O, so the
+backend is never the Python side of the comparison. It runs single-threaded
+so it does not steal both cores from the contender being measured. The body
+names the backend ("pod1-a", "pod1-b", "pod2"), which is how the convergence
+probe knows which endpoint a connection reached.
+
+Timeouts are long so the 10,000 idle connections of the mem workload stay
+open while RSS is sampled; ``maxconn`` is high enough for them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.procs import Proc, nofile_hard_limit, wait_until
+from bench.topology import POD1_ALT_IP, POD1_IP, POD2_IP, Topology, read_tcp_table
+
+HTTP_PORT = 8080
+IPERF_PORT = 5201
+BULK_PORT = 5202
+BACKEND_MAXCONN = 19000
+
+
+@dataclass(frozen=True)
+class BackendSet:
+    """Addresses of the pod backends; ``http`` is what rr/cps/mem hit on each path."""
+
+    http_ip: str
+    name: str
+
+
+BACKENDS = {
+    "local": BackendSet(POD1_IP, "pod1-a"),
+    "cross": BackendSet(POD2_IP, "pod2"),
+}
+ALT_LOCAL = BackendSet(POD1_ALT_IP, "pod1-b")
+
+
+def haproxy_http_config(binds: list[tuple[str, str]]) -> str:
+    """An HAProxy config answering ``200 <name>`` on each (ip, name)."""
+    lines = [
+        "global",
+        "    nbthread 1",
+        f"    maxconn {BACKEND_MAXCONN}",
+        # A server that never connects out needs one fd per connection, but
+        # HAProxy budgets two; pin ulimit-n to what we can get (a warning only).
+        f"    ulimit-n {nofile_hard_limit()}",
+        "    no strict-limits",
+        "defaults",
+        "    mode http",
+        "    timeout connect 5s",
+        "    timeout client 10m",
+        "    timeout server 10m",
+        "    timeout http-request 10m",
+        "    timeout http-keep-alive 10m",
+        f"    maxconn {BACKEND_MAXCONN}",
+    ]
+    for ip, name in binds:
+        lines += [
+            f"frontend web_{name.replace('-', '_')}",
+            f"    bind {ip}:{HTTP_PORT}",
+            f'    http-request return status 200 content-type text/plain string "{name}\\n"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class Backends:
+    """Start/stop the pod backends for the whole bench run."""
+
+    def __init__(self, topo: Topology, log_dir: Path) -> None:
+        self.topo = topo
+        self.log_dir = log_dir
+        self.procs: dict[str, Proc] = {}
+
+    def start(self) -> None:
+        for role, binds in (
+            ("pod1", [(POD1_IP, "pod1-a"), (POD1_ALT_IP, "pod1-b")]),
+            ("pod2", [(POD2_IP, "pod2")]),
+        ):
+            cfg = self.log_dir / f"backend-{role}.cfg"
+            cfg.write_text(haproxy_http_config(binds))
+            self.procs[f"http-{role}"] = Proc(
+                f"backend-http-{role}",
+                self.topo.exec_argv(role, ["haproxy", "-db", "-f", str(cfg)]),
+                self.log_dir, nofile=nofile_hard_limit(),
+            ).start()
+            ip = binds[0][0]
+            self.procs[f"iperf-{role}"] = Proc(
+                f"backend-iperf-{role}",
+                self.topo.exec_argv(role, ["iperf3", "-s", "-B", ip, "-p", str(IPERF_PORT)]),
+                self.log_dir,
+            ).start()
+            self.procs[f"bulk-{role}"] = Proc(
+                f"backend-bulk-{role}",
+                self.topo.exec_argv(role, [sys.executable, "-m", "bench.bulk", "sink",
+                                           "--bind", ip, "--port", str(BULK_PORT)]),
+                self.log_dir,
+            ).start()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until both pods listen on the HTTP, bulk and iperf3 ports, or raise with logs."""
+        for role in ("pod1", "pod2"):
+            def listening(role: str = role) -> bool:
+                table = self.topo.thread(role).call(read_tcp_table)
+                ports = {lp for lp, _, st in table if st == "LISTEN"}
+                return {HTTP_PORT, IPERF_PORT, BULK_PORT} <= ports
+            if not wait_until(listening, timeout, 0.05):
+                raise RuntimeError(f"backends in {role} not listening: {self.check()}")
+
+    def http_pid(self, path: str) -> int:
+        return self.procs["http-pod1" if path == "local" else "http-pod2"].pid
+
+    def check(self) -> list[str]:
+        """Problems with the backends (dead processes), each with its log tail."""
+        return [
+            f"{p.name} exited rc={p.returncode()}: {p.tail(5)}"
+            for p in self.procs.values() if not p.alive()
+        ]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()

@@ -1,0 +1,167 @@
+"""``kpx bench``: kpx against direct, the kernel, HAProxy and naive asyncio, in one run.
+
+Flags choose what runs; ``--quick`` is a complete but short run (one run per
+cell, short durations, local path only, 20 endpoint changes) meant to finish
+in under three minutes; the default is the full run the lead measures with
+(three runs per cell, both paths, 100 endpoint changes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import FrameType
+
+from bench.contenders import CONTENDER_ORDER
+from bench.control import ControlSettings
+from bench.results import WORKLOADS
+from bench.runner import Bench, Config
+from bench.workloads import Settings
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PATHS = ("local", "cross")
+TOOLS = {"ip": "iproute2", "nft": "nftables", "haproxy": "haproxy", "wrk": "wrk",
+         "iperf3": "iperf3", "sysctl": "procps"}
+
+
+def _csv(allowed: tuple[str, ...]):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(allowed)}")
+        return items
+    return parse
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="short complete run: 1 run per cell, local path, < 3 minutes")
+    parser.add_argument("--duration", type=float, metavar="S",
+                        help="seconds per bulk/rr/cps run (default 5/10/10, quick 2/3/3)")
+    parser.add_argument("--workloads", type=_csv(WORKLOADS), metavar="LIST",
+                        help=f"comma list of {','.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--contenders", type=_csv(CONTENDER_ORDER), metavar="LIST",
+                        help=f"comma list of {','.join(CONTENDER_ORDER)} (default: all)")
+    parser.add_argument("--runs", type=int, metavar="N",
+                        help="runs per contender and workload (default 3, quick 1)")
+    parser.add_argument("--paths", type=_csv(PATHS), metavar="LIST",
+                        help="local (endpoint on node1), cross (endpoint behind node2, SNAT); "
+                             "default both, quick local")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",
+                        help=f"where the JSON and PNGs go (default {RESULTS_DIR})")
+    parser.add_argument("--pause", type=float, metavar="S",
+                        help="pause before each run, for TIME_WAIT (default 3, quick 1)")
+    parser.add_argument("--mem-connections", type=int, default=10000, metavar="N",
+                        help="idle connections for mem (default 10000, capped by RLIMIT_NOFILE)")
+    parser.add_argument("--control-sizes", type=_sizes, default=[1000, 10000], metavar="N,N",
+                        help="service counts for control apply/idle (default 1000,10000)")
+    parser.add_argument("--changes", type=int, metavar="N",
+                        help="endpoint changes for convergence (default 100, quick 20)")
+    parser.add_argument("--idle-seconds", type=float, metavar="S",
+                        help="idle CPU sampling window (default 5, quick 2)")
+    parser.add_argument("--bulk-tool", choices=("exact", "iperf3"), default="exact",
+                        help="exact: bench.bulk, bytes verified exactly (default); iperf3: "
+                             "its JSON, receiver may miss up to 64 MiB still in flight")
+    parser.add_argument("--etp", choices=("Cluster", "Local"), default="Cluster",
+                        help="externalTrafficPolicy of the service kpx serves (default "
+                             "Cluster; Local drops traffic on the cross path by design)")
+    parser.add_argument("--kpx", default=None, metavar="PATH",
+                        help="the kpx executable (default: the one beside this Python)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep process logs and state files even when nothing failed")
+    parser.add_argument("--no-install", action="store_true",
+                        help="do not apt-get install missing tools (haproxy, wrk, iperf3, nft)")
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """Flags -> Config; quick and full differ only in defaults, explicit flags win."""
+    q = bool(args.quick)
+    durations = {"bulk": 2.0, "rr": 3.0, "cps": 3.0} if q else \
+        {"bulk": 5.0, "rr": 10.0, "cps": 10.0}
+    if args.duration:
+        durations = dict.fromkeys(durations, float(args.duration))
+    settings = Settings(
+        durations=durations,
+        pause=args.pause if args.pause is not None else (1.0 if q else 3.0),
+        mem_connections=args.mem_connections,
+        bulk_tool=args.bulk_tool,
+    )
+    control = ControlSettings(
+        sizes=tuple(args.control_sizes),
+        changes=args.changes if args.changes is not None else (20 if q else 100),
+        idle_seconds=args.idle_seconds if args.idle_seconds is not None else (2.0 if q else 5.0),
+    )
+    paths = args.paths or (["local"] if q else list(PATHS))
+    return Config(
+        quick=q,
+        runs=args.runs or (1 if q else 3),
+        paths=paths,
+        # RSS per connection does not depend on where the endpoint is: measure once.
+        mem_paths=["local"] if "local" in paths else paths[:1],
+        workloads=args.workloads or list(WORKLOADS),
+        contenders=args.contenders or list(CONTENDER_ORDER),
+        out=args.out,
+        kpx=args.kpx or _default_kpx(),
+        etp=args.etp,
+        keep_logs=args.keep_logs,
+        settings=settings,
+        control=control,
+    )
+
+
+def _default_kpx() -> str:
+    beside = Path(sys.executable).parent / "kpx"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("kpx") or "kpx"
+
+
+def ensure_tools(install: bool) -> list[str]:
+    """Missing tools after an optional apt-get install; the issue wants haproxy installed."""
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing and install and shutil.which("apt-get"):
+        pkgs = sorted({TOOLS[t] for t in missing})
+        print(f"kpx bench: installing {' '.join(pkgs)} with apt-get", file=sys.stderr)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *pkgs],
+                       check=False, env=env)
+        missing = [t for t in TOOLS if shutil.which(t) is None]
+    return missing
+
+
+def run(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("kpx bench: needs root (network namespaces, nftables)", file=sys.stderr)
+        return 2
+    missing = ensure_tools(not args.no_install)
+    if missing:
+        print(f"kpx bench: missing tools: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    cfg = build_config(args)
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # SIGINT explicitly too: a shell that starts us in the background hands us
+    # SIGINT ignored, and the cleanup promise must hold for Ctrl-C regardless.
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return Bench(cfg).run()
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)

@@ -1,0 +1,390 @@
+"""The contenders: one way each to get a client's connection from node1 to a pod.
+
+Owns: starting and stopping each contender in the node1 namespace, telling
+the workloads which address to hit, and a functional probe before any
+measurement (an HTTP GET must come back from the expected pod, otherwise the
+contender fails with that reason instead of being measured on a broken path).
+
+Every contender forwards the same two services to the same backends: "http"
+(the HAProxy static 200 on :8080, for rr/cps/mem) and "bulk" (the exact
+sender/receiver sink on :5202). Each contender has its own front ports, so
+nothing left over from one (TIME_WAIT, conntrack) can collide with the next.
+Only one contender runs at a time: the kernel's nft table is loaded only for
+its own runs, since a NAT table in node1 turns on conntrack for everything
+crossing it and would tax the others.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import k8s_state
+from bench.backends import BACKENDS, BULK_PORT, HTTP_PORT, IPERF_PORT, BackendSet
+from bench.procs import Proc, nofile_hard_limit, wait_until
+from bench.topology import (
+    NODE1_IP,
+    NODE2_IP,
+    POD1_IP,
+    POD2_IP,
+    CommandError,
+    Topology,
+    listening_ports,
+    sh,
+)
+
+NFT_TABLE = "kpxbench"
+
+
+class ContenderError(RuntimeError):
+    """The contender could not be started or does not forward correctly."""
+
+
+@dataclass(frozen=True)
+class Target:
+    ip: str
+    http_port: int
+    bulk_port: int
+    iperf_port: int
+    """Only for ``--bulk-tool iperf3`` (base + 3: kpx's base + 2 is the control workload's)."""
+
+
+def http_get(ip: str, port: int, timeout: float = 2.0) -> str:
+    """One HTTP/1.0 GET on a fresh connection; returns the body (the backend's name)."""
+    with socket.create_connection((ip, port), timeout=timeout) as s:
+        s.sendall(b"GET / HTTP/1.0\r\nHost: bench\r\n\r\n")
+        chunks = []
+        while True:
+            b = s.recv(4096)
+            if not b:
+                break
+            chunks.append(b)
+    raw = b"".join(chunks).decode("latin-1")
+    head, _, body = raw.partition("\r\n\r\n")
+    if not head.startswith("HTTP/1.") or " 200 " not in head.split("\r\n", 1)[0] + " ":
+        raise OSError(f"unexpected response: {head.splitlines()[0] if head else raw[:60]!r}")
+    return body.strip()
+
+
+class Contender:
+    """Base: a way through node1. Subclasses set the class attributes below."""
+
+    name = ""
+    description = ""
+    proxied = True
+    """False for direct: no NodePort, the client dials the pod."""
+    has_process = True
+    """Whether there is a process whose RSS the mem workload can measure."""
+    port_base = 0
+
+    def __init__(self, topo: Topology, log_dir: Path) -> None:
+        self.topo = topo
+        self.log_dir = log_dir
+        self.path = "local"
+
+    def unavailable(self) -> str | None:
+        """Why this contender cannot run at all on this machine (checked once)."""
+        return None
+
+    def target(self) -> Target:
+        return Target(NODE1_IP, self.port_base, self.port_base + 1, self.port_base + 3)
+
+    def backend(self) -> BackendSet:
+        return BACKENDS[self.path]
+
+    def start(self, path: str) -> None:
+        self.path = path
+
+    def stop(self) -> None:
+        """Idempotent; never raises."""
+
+    def pids(self) -> list[int]:
+        return []
+
+    def alive_problem(self) -> str | None:
+        """Set when the contender's process died (a crash is a failure reason)."""
+        return None
+
+    def verify(self) -> None:
+        """An HTTP GET through the contender must reach the expected pod."""
+        t = self.target()
+        want = self.backend().name
+        last = ""
+        for _ in range(3):
+            try:
+                got = self.topo.thread("client").call(http_get, t.ip, t.http_port)
+            except OSError as e:
+                last = f"GET http://{t.ip}:{t.http_port}/ failed: {e}"
+                continue
+            if got == want:
+                return
+            last = f"GET http://{t.ip}:{t.http_port}/ reached {got!r}, expected {want!r}"
+        dead = self.alive_problem()
+        raise ContenderError(dead or last)
+
+    def wait_listening(self, proc: Proc | None, ports: set[int], timeout: float) -> None:
+        """Until node1 has listeners on ``ports``; a dead process fails at once with its log."""
+
+        def ready() -> bool:
+            if proc is not None and not proc.alive():
+                return True
+            return ports <= self.topo.thread("node1").call(listening_ports)
+
+        ok = wait_until(ready, timeout, 0.05)
+        if proc is not None and not proc.alive():
+            raise ContenderError(
+                f"{self.name} exited rc={proc.returncode()} during start-up: {proc.why()}"
+            )
+        if not ok:
+            tail = f": {proc.why()}" if proc is not None else ""
+            raise ContenderError(
+                f"{self.name} not listening on {sorted(ports)} after {timeout:.0f}s{tail}"
+            )
+
+
+class Direct(Contender):
+    name = "direct"
+    description = "client -> pod, routed through the nodes, no proxy (the topology's ceiling)"
+    proxied = False
+    has_process = False
+
+    def target(self) -> Target:
+        return Target(self.backend().http_ip, HTTP_PORT, BULK_PORT, IPERF_PORT)
+
+
+class Kernel(Contender):
+    name = "kernel"
+    description = "nftables DNAT + masquerade in node1 (what kube-proxy's nftables mode does)"
+    has_process = False
+    port_base = 30100
+
+    def ruleset(self) -> str:
+        b = self.backend().http_ip
+        t = self.target()
+        return (
+            f"table ip {NFT_TABLE} {{\n"
+            "  chain pre {\n"
+            "    type nat hook prerouting priority dstnat; policy accept;\n"
+            f"    ip daddr {NODE1_IP} tcp dport {t.http_port} dnat to {b}:{HTTP_PORT}\n"
+            f"    ip daddr {NODE1_IP} tcp dport {t.bulk_port} dnat to {b}:{BULK_PORT}\n"
+            f"    ip daddr {NODE1_IP} tcp dport {t.iperf_port} dnat to {b}:{IPERF_PORT}\n"
+            "  }\n"
+            "  chain post {\n"
+            "    type nat hook postrouting priority srcnat; policy accept;\n"
+            "    ct status dnat masquerade\n"
+            "  }\n"
+            "}\n"
+        )
+
+    def start(self, path: str) -> None:
+        super().start(path)
+        try:
+            self.topo.run("node1", ["nft", "-f", "-"], input_text=self.ruleset())
+        except CommandError as e:
+            raise ContenderError(f"nft: {e}") from e
+        self.topo.conntrack_sysctls()
+
+    def stop(self) -> None:
+        self.topo.run("node1", ["nft", "delete", "table", "ip", NFT_TABLE], check=False)
+
+
+class ProcessContender(Contender):
+    """A contender that is one userspace process (and its children) in node1."""
+
+    def __init__(self, topo: Topology, log_dir: Path) -> None:
+        super().__init__(topo, log_dir)
+        self.proc: Proc | None = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+    def pids(self) -> list[int]:
+        return self.proc.tree() if self.proc else []
+
+    def alive_problem(self) -> str | None:
+        if self.proc is not None and not self.proc.alive():
+            return f"{self.name} died rc={self.proc.returncode()}: {self.proc.why()}"
+        return None
+
+
+class HAProxy(ProcessContender):
+    name = "haproxy"
+    description = "HAProxy TCP mode, nbthread 1, default buffers"
+    port_base = 30200
+
+    def unavailable(self) -> str | None:
+        if sh(["sh", "-c", "command -v haproxy"], check=False).returncode != 0:
+            return "haproxy is not installed (apt-get install haproxy; .ci/system-deps does it)"
+        return None
+
+    def config(self) -> str:
+        b = self.backend().http_ip
+        t = self.target()
+        hard = nofile_hard_limit()
+        maxconn = max(1000, (hard - 200) // 2)
+        return "\n".join([
+            "global",
+            "    nbthread 1",
+            f"    maxconn {maxconn}",
+            f"    ulimit-n {hard}",
+            "    no strict-limits",
+            "defaults",
+            "    mode tcp",
+            f"    maxconn {maxconn}",
+            "    timeout connect 5s",
+            "    timeout client 10m",
+            "    timeout server 10m",
+            "frontend fe_http",
+            f"    bind {NODE1_IP}:{t.http_port}",
+            "    default_backend be_http",
+            "backend be_http",
+            f"    server pod {b}:{HTTP_PORT}",
+            "frontend fe_bulk",
+            f"    bind {NODE1_IP}:{t.bulk_port}",
+            "    default_backend be_bulk",
+            "backend be_bulk",
+            f"    server pod {b}:{BULK_PORT}",
+            "frontend fe_iperf",
+            f"    bind {NODE1_IP}:{t.iperf_port}",
+            "    default_backend be_iperf",
+            "backend be_iperf",
+            f"    server pod {b}:{IPERF_PORT}",
+        ]) + "\n"
+
+    def start(self, path: str) -> None:
+        super().start(path)
+        cfg = self.log_dir / f"haproxy-{path}.cfg"
+        cfg.write_text(self.config())
+        self.proc = Proc(f"haproxy-{path}",
+                         self.topo.exec_argv("node1", ["haproxy", "-db", "-f", str(cfg)]),
+                         self.log_dir, nofile=nofile_hard_limit()).start()
+        t = self.target()
+        self.wait_listening(self.proc, {t.http_port, t.bulk_port}, 10.0)
+
+
+class Naive(ProcessContender):
+    name = "naive"
+    description = "asyncio Streams copy loop, default event loop (bench/naive_proxy.py)"
+    port_base = 30300
+
+    def start(self, path: str) -> None:
+        super().start(path)
+        b = self.backend().http_ip
+        t = self.target()
+        specs = [f"{NODE1_IP}:{t.http_port}={b}:{HTTP_PORT}",
+                 f"{NODE1_IP}:{t.bulk_port}={b}:{BULK_PORT}",
+                 f"{NODE1_IP}:{t.iperf_port}={b}:{IPERF_PORT}"]
+        self.proc = Proc(f"naive-{path}",
+                         self.topo.exec_argv("node1", [sys.executable, "-m", "bench.naive_proxy",
+                                                       *specs]),
+                         self.log_dir, nofile=nofile_hard_limit()).start()
+        self.wait_listening(self.proc, {t.http_port, t.bulk_port}, 15.0)
+
+
+def bench_state(path: str, http_node_port: int, bulk_node_port: int,
+                extra: list[k8s_state.ServiceSpec] | None = None, etp: str = "Cluster",
+                iperf_node_port: int | None = None) -> str:
+    """The kpx state for one path: the bench service plus ``extra`` services.
+
+    Ports: http (80 -> 8080), bulk (5202) and iperf3 (5201; nodePort defaults
+    to ``http_node_port + 3``, the contender's iperf front port).
+    """
+    ep = k8s_state.Ep(POD1_IP, "node1") if path == "local" else k8s_state.Ep(POD2_IP, "node2")
+    svc = k8s_state.ServiceSpec(
+        name="bench",
+        ports=(k8s_state.Port("http", 80, HTTP_PORT, http_node_port),
+               k8s_state.Port("bulk", BULK_PORT, BULK_PORT, bulk_node_port),
+               k8s_state.Port("iperf", IPERF_PORT, IPERF_PORT,
+                              iperf_node_port or http_node_port + 3)),
+        endpoints=(ep,),
+        etp=etp,
+    )
+    return k8s_state.render([("node1", NODE1_IP), ("node2", NODE2_IP)], [svc, *(extra or [])])
+
+
+class Kpx(ProcessContender):
+    """``kpx node`` fed a state file, in its default configuration (+ ``--workers``)."""
+
+    name = "kpx"
+    description = "kpx node, default configuration (one worker)"
+    port_base = 30400
+    workers = 0
+    start_timeout = 30.0
+
+    def __init__(self, topo: Topology, log_dir: Path, kpx: str, etp: str = "Cluster") -> None:
+        super().__init__(topo, log_dir)
+        self.kpx = kpx
+        self.etp = etp
+        self.state_path = log_dir / f"state-{self.name}.yaml"
+        self._help: str | None = None
+
+    def node_help(self) -> str:
+        """``kpx node --help``, cached; raises ContenderError with why it failed."""
+        if self._help is None:
+            cp = sh([self.kpx, "node", "--help"], check=False, timeout=60)
+            if cp.returncode != 0:
+                err = (cp.stderr or cp.stdout).strip().splitlines()
+                raise ContenderError(
+                    f"`kpx node --help` failed rc={cp.returncode}: "
+                    f"{err[-1] if err else 'no output'}"
+                )
+            self._help = cp.stdout
+        return self._help
+
+    def unavailable(self) -> str | None:
+        try:
+            text = self.node_help()
+        except ContenderError as e:
+            return str(e)
+        missing = [f for f in ("--state", "--hostname-override", "--no-healthz")
+                   if f not in text]
+        if missing:
+            return f"`kpx node` lacks {', '.join(missing)}"
+        if self.workers and not re.search(r"--workers\b", text):
+            return "not available: `kpx node --help` shows no --workers"
+        return None
+
+    def argv(self) -> list[str]:
+        argv = [self.kpx, "node", "--hostname-override", "node1",
+                "--state", str(self.state_path), "--no-healthz"]
+        if self.workers:
+            argv += ["--workers", str(self.workers)]
+        return argv
+
+    def start(self, path: str, state: str | None = None) -> None:
+        super().start(path)
+        t = self.target()
+        k8s_state.write_atomic(self.state_path,
+                               state or bench_state(path, t.http_port, t.bulk_port,
+                                                    etp=self.etp))
+        self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
+                         self.log_dir, nofile=nofile_hard_limit()).start()
+        self.wait_listening(self.proc, {t.http_port, t.bulk_port}, self.start_timeout)
+
+
+class KpxWorkers(Kpx):
+    name = "kpx-w2"
+    description = "kpx node --workers 2 (SO_REUSEPORT workers)"
+    port_base = 30500
+    workers = 2
+
+
+CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2")
+
+
+def make_contenders(names: list[str], topo: Topology, log_dir: Path,
+                    kpx: str, etp: str = "Cluster") -> list[Contender]:
+    table: dict[str, Contender] = {
+        "direct": Direct(topo, log_dir),
+        "kernel": Kernel(topo, log_dir),
+        "haproxy": HAProxy(topo, log_dir),
+        "naive": Naive(topo, log_dir),
+        "kpx": Kpx(topo, log_dir, kpx, etp),
+        "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp),
+    }
+    return [table[n] for n in names]

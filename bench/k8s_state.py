@@ -1,0 +1,155 @@
+"""The state files the harness feeds ``kpx node``: real Kubernetes YAML.
+
+Owns: rendering v1 Nodes, NodePort v1 Services and discovery.k8s.io/v1
+EndpointSlices as ``kubectl get -o yaml`` would print them (multi-document,
+block style), and writing them atomically (sibling + rename) because that is
+how kpx's state source expects a file to change.
+
+Rendered from string templates rather than ``yaml.safe_dump``: the control
+workload writes 10,000 services x 3 endpoints (20,000 documents) and then
+rewrites a 1,000-service file 100 times, and the harness must not be the slow
+part of a convergence measurement.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+NAMESPACE = "bench"
+
+
+@dataclass(frozen=True)
+class Ep:
+    """One endpoint: address and the node it runs on."""
+
+    ip: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Port:
+    """One service port: name, service port, target (endpoint) port, nodePort."""
+
+    name: str
+    port: int
+    target: int
+    node_port: int
+
+
+def node_doc(name: str, internal_ip: str) -> str:
+    return (
+        "apiVersion: v1\n"
+        "kind: Node\n"
+        "metadata:\n"
+        f"  name: {name}\n"
+        "  labels:\n"
+        f"    kubernetes.io/hostname: {name}\n"
+        "status:\n"
+        "  addresses:\n"
+        "  - type: InternalIP\n"
+        f"    address: {internal_ip}\n"
+        "  - type: Hostname\n"
+        f"    address: {name}\n"
+    )
+
+
+def cluster_ip(index: int) -> str:
+    """A unique ClusterIP in 10.96.0.0/12 for service number ``index``."""
+    n = index + 10
+    return f"10.{96 + (n >> 16)}.{(n >> 8) & 255}.{n & 255}"
+
+
+def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluster") -> str:
+    lines = [
+        "apiVersion: v1",
+        "kind: Service",
+        "metadata:",
+        f"  name: {name}",
+        f"  namespace: {NAMESPACE}",
+        "spec:",
+        "  type: NodePort",
+        f"  clusterIP: {cluster_ip(index)}",
+        f"  externalTrafficPolicy: {etp}",
+        "  selector:",
+        f"    app: {name}",
+        "  ports:",
+    ]
+    for p in ports:
+        lines += [
+            f"  - name: {p.name}",
+            "    protocol: TCP",
+            f"    port: {p.port}",
+            f"    targetPort: {p.target}",
+            f"    nodePort: {p.node_port}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def slice_doc(service: str, endpoints: Iterable[Ep], ports: Iterable[Port]) -> str:
+    lines = [
+        "apiVersion: discovery.k8s.io/v1",
+        "kind: EndpointSlice",
+        "metadata:",
+        f"  name: {service}-abcde",
+        f"  namespace: {NAMESPACE}",
+        "  labels:",
+        f"    kubernetes.io/service-name: {service}",
+        "addressType: IPv4",
+        "endpoints:",
+    ]
+    for e in endpoints:
+        lines += [
+            "- addresses:",
+            f"  - {e.ip}",
+            "  conditions:",
+            "    ready: true",
+            "    serving: true",
+            "    terminating: false",
+            f"  nodeName: {e.node}",
+        ]
+    lines.append("ports:")
+    for p in ports:
+        lines += [f"- name: {p.name}", "  protocol: TCP", f"  port: {p.target}"]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    ports: tuple[Port, ...]
+    endpoints: tuple[Ep, ...]
+    etp: str = "Cluster"
+
+
+def render(nodes: Iterable[tuple[str, str]], services: Iterable[ServiceSpec]) -> str:
+    """A whole state: nodes (name, InternalIP) then each service with its slice."""
+    docs = [node_doc(n, ip) for n, ip in nodes]
+    for i, s in enumerate(services):
+        docs.append(service_doc(s.name, i, s.ports, s.etp))
+        docs.append(slice_doc(s.name, s.endpoints, s.ports))
+    return "---\n".join(docs)
+
+
+def many_services(count: int, first_node_port: int, endpoints: tuple[Ep, ...],
+                  target: int) -> list[ServiceSpec]:
+    """``count`` one-port NodePort services on consecutive nodePorts (control workload)."""
+    return [
+        ServiceSpec(
+            name=f"svc-{i:05d}",
+            ports=(Port("http", 80, target, first_node_port + i),),
+            endpoints=endpoints,
+        )
+        for i in range(count)
+    ]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a sibling and rename it over ``path``: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+    os.replace(tmp, path)

@@ -1,0 +1,446 @@
+"""The results model: runs, cells, ratios, targets and the JSON file format.
+
+Owns: everything that turns measured runs into what is reported, as pure
+functions, so the arithmetic is unit-tested without a network:
+
+- a *run* is one measurement; it either passed its own correctness checks
+  and carries metrics, or failed and carries only the reason (a failed run is
+  never given a number, so it cannot leak into a median);
+- a *cell* is (path, workload, contender) with its runs; one failed run fails
+  the whole cell, because a contender that sometimes errors is not "fast";
+- a *ratio* divides two cells' medians and is ``None`` with a reason when
+  either side is missing or failed;
+- a *target* is one row of issue 5's table, evaluated to met / missed /
+  not measured, with the measured figure.
+
+The file is versioned by ``SCHEMA``; ``validate`` checks a loaded document's
+shape so a consumer (or the unit test's round trip) can rely on it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SCHEMA = "kpx-bench/1"
+
+Status = Literal["ok", "failed", "n/a", "unavailable", "skipped"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    workload: str
+    unit: str
+    higher_is_better: bool
+    label: str
+    short: str = ""
+    """Prefix in a live row when a workload prints several figures (p50, p99)."""
+
+
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (
+        Metric("gbps", "bulk", "Gbit/s", True, "bulk throughput"),
+        Metric("req_per_s", "rr", "req/s", True, "rr requests/s"),
+        Metric("p50_ms", "rr", "ms", False, "rr p50 latency", "p50"),
+        Metric("p99_ms", "rr", "ms", False, "rr p99 latency", "p99"),
+        Metric("conn_per_s", "cps", "conn/s", True, "new connections/s"),
+        Metric("kib_per_conn", "mem", "KiB", False, "RSS per idle proxied connection"),
+        Metric("apply_s", "apply", "s", False, "apply N services"),
+        Metric("idle_cpu_pct", "idle", "% core", False, "idle CPU"),
+        Metric("converge_p50_ms", "converge", "ms", False, "endpoint change p50", "p50"),
+        Metric("converge_p99_ms", "converge", "ms", False, "endpoint change p99", "p99"),
+    )
+}
+
+WORKLOADS = ("bulk", "rr", "cps", "mem", "control")
+DATA_WORKLOADS = ("bulk", "rr", "cps", "mem")
+
+
+def family(workload: str) -> str:
+    """Control cells are named per size (``apply-10000``); metrics belong to the family."""
+    return workload.split("-", 1)[0]
+
+
+def metrics_of(workload: str) -> list[Metric]:
+    return [m for m in METRICS.values() if m.workload == family(workload)]
+
+
+@dataclass
+class Run:
+    """One measurement. ``metrics`` is empty unless ``ok``."""
+
+    ok: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def failed(cls, error: str, **detail: Any) -> Run:
+        return cls(ok=False, metrics={}, error=error, detail=detail)
+
+    def __post_init__(self) -> None:
+        if not self.ok:
+            self.metrics = {}  # a failed run is never given a number
+            if not self.error:
+                self.error = "failed (no reason recorded)"
+
+
+@dataclass
+class Summary:
+    min: float
+    median: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Summary:
+        return cls(min(values), statistics.median(values), max(values), len(values))
+
+
+@dataclass
+class Cell:
+    path: str | None
+    workload: str
+    contender: str
+    status: Status = "ok"
+    reason: str | None = None
+    runs: list[Run] = field(default_factory=list)
+
+    def add(self, run: Run) -> None:
+        self.runs.append(run)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """A single failed run fails the cell (and its reason is the first failure)."""
+        if self.status in ("n/a", "unavailable", "skipped"):
+            return
+        bad = [r for r in self.runs if not r.ok]
+        if bad:
+            self.status = "failed"
+            self.reason = bad[0].error if len(bad) == 1 else (
+                f"{len(bad)} of {len(self.runs)} runs failed; first: {bad[0].error}")
+        else:
+            self.status = "ok"
+            self.reason = None
+
+    @property
+    def summary(self) -> dict[str, Summary]:
+        """Per metric min/median/max over the runs; empty unless the cell is ok."""
+        if self.status != "ok" or not self.runs:
+            return {}
+        names = {k for r in self.runs for k in r.metrics}
+        return {
+            k: Summary.of([r.metrics[k] for r in self.runs if k in r.metrics])
+            for k in sorted(names)
+        }
+
+    def median(self, metric: str) -> float | None:
+        s = self.summary.get(metric)
+        return None if s is None else s.median
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "workload": self.workload,
+            "contender": self.contender,
+            "status": self.status,
+            "reason": self.reason,
+            "runs": [asdict(r) for r in self.runs],
+            "summary": {k: asdict(v) for k, v in self.summary.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Cell:
+        c = cls(path=d["path"], workload=d["workload"], contender=d["contender"],
+                status=d["status"], reason=d["reason"])
+        c.runs = [Run(ok=r["ok"], metrics=dict(r["metrics"]), error=r["error"],
+                      detail=dict(r["detail"])) for r in d["runs"]]
+        return c
+
+
+class CellTable:
+    """All cells of one bench run, addressed by (path, workload, contender)."""
+
+    def __init__(self, cells: list[Cell] | None = None) -> None:
+        self._cells: dict[tuple[str | None, str, str], Cell] = {}
+        for c in cells or []:
+            self._cells[(c.path, c.workload, c.contender)] = c
+
+    def cell(self, path: str | None, workload: str, contender: str) -> Cell:
+        key = (path, workload, contender)
+        if key not in self._cells:
+            self._cells[key] = Cell(path, workload, contender)
+        return self._cells[key]
+
+    def get(self, path: str | None, workload: str, contender: str) -> Cell | None:
+        return self._cells.get((path, workload, contender))
+
+    def mark(self, path: str | None, workload: str, contender: str, status: Status,
+             reason: str) -> Cell:
+        c = self.cell(path, workload, contender)
+        c.status, c.reason = status, reason
+        return c
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._cells.values())
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    def paths(self) -> list[str | None]:
+        return list(dict.fromkeys(c.path for c in self))
+
+
+# ---- ratios ------------------------------------------------------------------------
+
+
+@dataclass
+class Ratio:
+    name: str
+    """``kpx/haproxy`` etc."""
+    path: str | None
+    workload: str
+    metric: str
+    numerator: str
+    denominator: str
+    value: float | None
+    reason: str | None = None
+
+
+def ratio(table: CellTable, path: str | None, metric: str, num: str, den: str) -> Ratio:
+    """median(num) / median(den); ``None`` with the reason when either side has no figure."""
+    workload = METRICS[metric].workload
+    r = Ratio(f"{num}/{den}", path, workload, metric, num, den, None)
+    for who in (num, den):
+        c = table.get(path, workload, who)
+        if c is None:
+            r.reason = f"{who} {workload} not measured"
+            return r
+        if c.status != "ok":
+            r.reason = f"{who} {workload} {c.status}: {c.reason}"
+            return r
+    n = table.cell(path, workload, num).median(metric)
+    d = table.cell(path, workload, den).median(metric)
+    if n is None or d is None:
+        r.reason = f"no {metric} figure"
+        return r
+    if d == 0:
+        r.reason = f"{den} {metric} is zero"
+        return r
+    r.value = n / d
+    return r
+
+
+RATIO_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("kpx", "haproxy", ("gbps", "req_per_s", "p50_ms", "p99_ms", "conn_per_s",
+                        "kib_per_conn")),
+    ("kpx", "kernel", ("gbps", "req_per_s", "p50_ms", "p99_ms", "conn_per_s")),
+    ("kpx-w2", "kpx", ("req_per_s", "p99_ms", "conn_per_s")),
+)
+
+
+def all_ratios(table: CellTable) -> list[Ratio]:
+    """Every ratio the report prints, for every path where either side was measured."""
+    out = []
+    for path in table.paths():
+        if path is None:
+            continue
+        for num, den, metrics in RATIO_PAIRS:
+            for m in metrics:
+                wl = METRICS[m].workload
+                if table.get(path, wl, num) is None and table.get(path, wl, den) is None:
+                    continue
+                out.append(ratio(table, path, m, num, den))
+    return out
+
+
+# ---- targets -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row of issue 5's table. ``ref`` set -> ratio target, else absolute."""
+
+    key: str
+    label: str
+    goal: str
+    metric: str
+    op: Literal[">=", "<="]
+    threshold: float
+    subject: str = "kpx"
+    ref: str | None = None
+    workload: str | None = None
+    """The cell's workload when it is not the metric's family (``apply-10000``)."""
+
+    @property
+    def cell_workload(self) -> str:
+        return self.workload or METRICS[self.metric].workload
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("bulk", "bulk Gbit/s", ">= 1.0x haproxy", "gbps", ">=", 1.0, ref="haproxy"),
+    Target("rr", "rr req/s (one worker)", ">= 1.0x haproxy", "req_per_s", ">=", 1.0,
+           ref="haproxy"),
+    Target("rr_p99", "rr p99 latency", "<= 1.5x haproxy's", "p99_ms", "<=", 1.5,
+           ref="haproxy"),
+    Target("cps", "cps", ">= 1.0x haproxy", "conn_per_s", ">=", 1.0, ref="haproxy"),
+    Target("mem", "memory per idle proxied connection", "<= 16 KiB", "kib_per_conn", "<=",
+           16.0),
+    Target("apply", "apply 10,000 services", "<= 1 s", "apply_s", "<=", 1.0,
+           workload="apply-10000"),
+    Target("converge", "endpoint-change convergence p99", "<= 100 ms", "converge_p99_ms",
+           "<=", 100.0),
+    Target("workers", "--workers 2 rr", ">= 1.7x one worker", "req_per_s", ">=", 1.7,
+           subject="kpx-w2", ref="kpx"),
+)
+
+
+@dataclass
+class TargetResult:
+    key: str
+    label: str
+    goal: str
+    path: str | None
+    status: Literal["met", "missed", "not measured"]
+    measured: float | None
+    """The ratio for ratio targets, the value for absolute ones."""
+    unit: str
+    reason: str | None = None
+
+
+def evaluate_targets(table: CellTable) -> list[TargetResult]:
+    """Each target on each path where its workload ran (control has no path)."""
+    out: list[TargetResult] = []
+    for t in TARGETS:
+        wl = t.cell_workload
+        paths = [p for p in table.paths()
+                 if any(c.workload == wl and c.path == p for c in table)]
+        for path in paths or [None]:
+            if t.ref is not None:
+                r = ratio(table, path, t.metric, t.subject, t.ref)
+                measured, reason, unit = r.value, r.reason, "x"
+            else:
+                c = table.get(path, wl, t.subject)
+                unit = METRICS[t.metric].unit
+                if c is None:
+                    measured, reason = None, f"{t.subject} {wl} not measured"
+                elif c.status != "ok":
+                    measured, reason = None, f"{t.subject} {wl} {c.status}: {c.reason}"
+                else:
+                    measured = c.median(t.metric)
+                    reason = None if measured is not None else f"no {t.metric} figure"
+            if measured is None:
+                status: Literal["met", "missed", "not measured"] = "not measured"
+            elif t.op == ">=":
+                status = "met" if measured >= t.threshold else "missed"
+            else:
+                status = "met" if measured <= t.threshold else "missed"
+            out.append(TargetResult(t.key, t.label, t.goal, path, status, measured, unit,
+                                    reason))
+    return out
+
+
+# ---- the file ----------------------------------------------------------------------
+
+
+def document(table: CellTable, *, meta: dict[str, Any], complete: bool) -> dict[str, Any]:
+    """The whole results file as a JSON-able dict."""
+    return {
+        "schema": SCHEMA,
+        "complete": complete,
+        **meta,
+        "metrics": {k: asdict(v) for k, v in METRICS.items()},
+        "cells": [c.to_json() for c in table],
+        "ratios": [asdict(r) for r in all_ratios(table)],
+        "targets": [asdict(t) for t in evaluate_targets(table)],
+    }
+
+
+def write(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def load(path: Path) -> tuple[dict[str, Any], CellTable]:
+    doc = json.loads(path.read_text())
+    problems = validate(doc)
+    if problems:
+        raise ValueError(f"{path}: " + "; ".join(problems))
+    return doc, CellTable([Cell.from_json(c) for c in doc["cells"]])
+
+
+_TOP: dict[str, type | tuple[type, ...]] = {
+    "schema": str, "complete": bool, "started": str, "finished": (str, type(None)),
+    "config": dict, "machine": dict, "sysctls": dict, "topology": dict,
+    "contenders": dict, "cells": list, "ratios": list, "targets": list, "notes": list,
+    "charts": list,
+}
+_CELL: dict[str, type | tuple[type, ...]] = {
+    "path": (str, type(None)), "workload": str, "contender": str, "status": str,
+    "reason": (str, type(None)), "runs": list, "summary": dict,
+}
+_RUN: dict[str, type | tuple[type, ...]] = {
+    "ok": bool, "metrics": dict, "error": (str, type(None)), "detail": dict,
+}
+_NUM = (int, float)
+
+
+def _check(obj: Any, spec: dict[str, type | tuple[type, ...]], where: str) -> list[str]:
+    if not isinstance(obj, dict):
+        return [f"{where}: not an object"]
+    out = []
+    for k, typ in spec.items():
+        if k not in obj:
+            out.append(f"{where}.{k}: missing")
+        elif not isinstance(obj[k], types := typ if isinstance(typ, tuple) else (typ,)) or (
+            isinstance(obj[k], bool) and bool not in types
+        ):
+            out.append(f"{where}.{k}: {type(obj[k]).__name__} is not {typ}")
+    return out
+
+
+def validate(doc: Any) -> list[str]:
+    """Every shape problem of a results document; empty when it is well formed."""
+    out = _check(doc, _TOP, "$")
+    if out:
+        return out
+    if doc["schema"] != SCHEMA:
+        out.append(f"$.schema: {doc['schema']!r} is not {SCHEMA!r}")
+    for i, c in enumerate(doc["cells"]):
+        w = f"$.cells[{i}]"
+        probs = _check(c, _CELL, w)
+        out += probs
+        if probs:
+            continue
+        if c["status"] not in ("ok", "failed", "n/a", "unavailable", "skipped"):
+            out.append(f"{w}.status: {c['status']!r}")
+        if c["status"] != "ok" and not c["reason"]:
+            out.append(f"{w}: status {c['status']} without a reason")
+        for j, r in enumerate(c["runs"]):
+            out += _check(r, _RUN, f"{w}.runs[{j}]")
+            if isinstance(r, dict) and isinstance(r.get("metrics"), dict):
+                if not r.get("ok") and r["metrics"]:
+                    out.append(f"{w}.runs[{j}]: a failed run has numbers")
+                for k, v in r["metrics"].items():
+                    if not isinstance(v, _NUM) or isinstance(v, bool):
+                        out.append(f"{w}.runs[{j}].metrics.{k}: not a number")
+        for k, s in c["summary"].items():
+            if not isinstance(s, dict) or set(s) != {"min", "median", "max", "n"}:
+                out.append(f"{w}.summary.{k}: needs min/median/max/n")
+        if c["status"] != "ok" and c["summary"]:
+            out.append(f"{w}: a {c['status']} cell has a summary")
+    for i, r in enumerate(doc["ratios"]):
+        if not isinstance(r, dict) or not {"name", "path", "metric", "value", "reason"} <= set(r):
+            out.append(f"$.ratios[{i}]: malformed")
+        elif r["value"] is None and not r["reason"]:
+            out.append(f"$.ratios[{i}]: no value and no reason")
+    for i, t in enumerate(doc["targets"]):
+        if not isinstance(t, dict) or t.get("status") not in ("met", "missed", "not measured"):
+            out.append(f"$.targets[{i}]: malformed")
+    return out

@@ -1,0 +1,463 @@
+"""One bench invocation: topology up, every contender x workload, results out, topology down.
+
+Order of work, and why:
+
+- paths outermost (local, then cross): each path needs its own kpx state and
+  backend, and a reader compares contenders within a path;
+- then *rounds*: round 1 runs every contender through every workload, then
+  round 2, and so on. Interleaving means slow drift of a shared machine
+  (other tenants, thermal) spreads over all contenders instead of landing on
+  whichever ran last, which is what keeps the ratios honest;
+- each contender is started fresh for its round and stopped after it, so
+  only the one being measured is running (and kpx's mem figure starts from
+  a fresh process);
+- a pause before every measured run lets TIME_WAIT and conntrack settle;
+- control last, kpx only.
+
+Everything created is removed in ``finally`` (processes by pid, then the
+namespaces), also on Ctrl-C or SIGTERM, and a partial results file is written
+with ``"complete": false``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import importlib.metadata
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from bench import report
+from bench.backends import Backends
+from bench.contenders import (
+    Contender,
+    ContenderError,
+    Kpx,
+    make_contenders,
+)
+from bench.control import ControlSettings, run_control
+from bench.procs import nofile_hard_limit
+from bench.results import CellTable, Run, all_ratios, document, evaluate_targets, write
+from bench.topology import Topology
+from bench.workloads import WORKLOAD_FUNCS, Settings
+
+
+@dataclass
+class Config:
+    quick: bool = False
+    runs: int = 3
+    paths: list[str] = field(default_factory=lambda: ["local", "cross"])
+    mem_paths: list[str] = field(default_factory=lambda: ["local"])
+    workloads: list[str] = field(default_factory=lambda: ["bulk", "rr", "cps", "mem",
+                                                          "control"])
+    contenders: list[str] = field(default_factory=lambda: ["direct", "kernel", "haproxy",
+                                                           "naive", "kpx", "kpx-w2"])
+    out: Path = Path("bench/results")
+    kpx: str = "kpx"
+    etp: str = "Cluster"
+    """externalTrafficPolicy of the bench service kpx serves (Local needs the local path)."""
+    keep_logs: bool = False
+    settings: Settings = field(default_factory=Settings)
+    control: ControlSettings = field(default_factory=ControlSettings)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out"] = str(self.out)
+        return d
+
+
+class Display:
+    """Live output: a row per finished run, and a progress line redrawn in place on a tty."""
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.total = max(1, total)
+        self.done = 0
+        self.t0 = time.monotonic()
+        self.status = ""
+
+    def _progress(self) -> str:
+        el = time.monotonic() - self.t0
+        eta = (el / self.done * (self.total - self.done)) if self.done else 0.0
+        eta_s = f" eta {eta:4.0f}s" if self.done else ""
+        return f"[{self.done}/{self.total} {el:4.0f}s{eta_s}] {self.status}"
+
+    def _clear(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K")
+
+    def _draw(self) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[K" + self._progress()[: shutil.get_terminal_size().columns
+                                                            - 1])
+            self.stream.flush()
+
+    def step(self, text: str) -> None:
+        self.status = text
+        self._draw()
+
+    def line(self, text: str) -> None:
+        self._clear()
+        self.stream.write(text + "\n")
+        self._draw()
+        self.stream.flush()
+
+    def advance(self, text: str) -> None:
+        self.done += 1
+        prefix = "" if self.tty else f"[{self.done}/{self.total}] "
+        self.line(prefix + text)
+
+    def finish(self) -> None:
+        self._clear()
+        self.stream.flush()
+
+
+def _version(argv: list[str]) -> str | None:
+    try:
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = (cp.stdout or cp.stderr).strip().splitlines()
+    return text[0].strip() if text else None
+
+
+def _pkg(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: absolute figures drift between machines."""
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    repo = Path(__file__).resolve().parent.parent
+    commit = _version(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"])
+    dirty = _version(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"])
+    return {
+        "cpu_model": cpu,
+        "nproc": os.cpu_count(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "cpu_pinning": "none: client, proxy and backend share all CPUs",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "uvloop": _pkg("uvloop"),
+        "kpx": _pkg("kpx"),
+        "kpx_commit": f"{commit}{'+dirty' if dirty else ''}" if commit else None,
+        "matplotlib": _pkg("matplotlib"),
+        "haproxy": _version(["haproxy", "-v"]),
+        "wrk": _version(["wrk", "-v"]),
+        "iperf3": _version(["iperf3", "-v"]),
+        "nft": _version(["nft", "-v"]),
+        "iproute2": _version(["ip", "-V"]),
+        "loadavg_start": Path("/proc/loadavg").read_text().split()[:3],
+        "mem_total_kib": _meminfo("MemTotal"),
+        "rlimit_nofile_hard": nofile_hard_limit(),
+    }
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """A second Ctrl-C must not abort the cleanup that the first one started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class Bench:
+    def __init__(self, cfg: Config, stream: TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.stream = stream or sys.stdout
+        self.table = CellTable()
+        self.notes: list[str] = []
+        self.charts: list[str] = []
+        self.started = dt.datetime.now(dt.UTC)
+        self.stamp = self.started.strftime("%Y%m%d-%H%M%S")
+        self.topo = Topology.for_this_process()
+        self.log_dir = Path(tempfile.mkdtemp(prefix=f"kpx-bench-{self.stamp}-"))
+        self.machine = machine_info()
+        self.availability: dict[str, dict[str, Any]] = {}
+        self.display = Display(self._planned_steps(), self.stream)
+        self.result_path = cfg.out / f"{self.stamp}.json"
+
+    # ---- planning ----------------------------------------------------------------
+
+    def data_workloads(self) -> list[str]:
+        return [w for w in self.cfg.workloads if w in WORKLOAD_FUNCS]
+
+    def _planned_steps(self, available: set[str] | None = None) -> int:
+        """Measured runs still to come (rows the live table will print)."""
+        names = [c for c in self.cfg.contenders if available is None or c in available]
+        n = 0
+        for path in self.cfg.paths:
+            for w in self.data_workloads():
+                if w == "mem" and path not in self.cfg.mem_paths:
+                    continue
+                n += self.cfg.runs * sum(
+                    1 for c in names if w != "mem" or c not in ("direct", "kernel"))
+        if "control" in self.cfg.workloads and "kpx" in names:
+            cs = self.cfg.control
+            n += self.cfg.runs * (2 * len(cs.sizes) + (1 if cs.changes > 0 else 0))
+        return n
+
+    def estimate_seconds(self) -> float:
+        """A rough duration, printed up front so nobody wonders whether it hangs."""
+        s = self.cfg.settings
+        per_run = {w: s.durations.get(w, 0.0) + s.pause + 0.7 for w in ("bulk", "rr", "cps")}
+        per_run["mem"] = 7.0
+        total = 0.0
+        for path in self.cfg.paths:
+            for w in self.data_workloads():
+                if w == "mem" and path not in self.cfg.mem_paths:
+                    continue
+                k = sum(1 for c in self.cfg.contenders
+                        if w != "mem" or c not in ("direct", "kernel"))
+                total += self.cfg.runs * k * per_run[w]
+            total += self.cfg.runs * len(self.cfg.contenders) * 1.0  # start/stop
+        if "control" in self.cfg.workloads and "kpx" in self.cfg.contenders:
+            cs = self.cfg.control
+            total += self.cfg.runs * (len(cs.sizes) * (cs.idle_seconds + 6.0)
+                                      + cs.changes * 0.5 + 3.0)
+        return total + 10.0
+
+    # ---- results -----------------------------------------------------------------
+
+    def meta(self, complete: bool) -> dict[str, Any]:
+        m = dict(self.machine)
+        m["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+        return {
+            "started": self.started.isoformat(timespec="seconds"),
+            "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            if complete else None,
+            "argv": sys.argv,
+            "config": self.cfg.to_json(),
+            "machine": m,
+            "sysctls": self.topo.sysctls,
+            "topology": self.topo.describe(),
+            "contenders": self.availability,
+            "notes": self.notes,
+            "charts": self.charts,
+            "logs": str(self.log_dir),
+        }
+
+    def save(self, complete: bool) -> None:
+        self.cfg.out.mkdir(parents=True, exist_ok=True)
+        write(self.result_path, document(self.table, meta=self.meta(complete),
+                                         complete=complete))
+
+    # ---- running -----------------------------------------------------------------
+
+    def record(self, path: str | None, workload: str, c: str, index: int, run: Run) -> None:
+        self.table.cell(path, workload, c).add(run)
+        self.display.advance(report.run_line(path, workload, c, index, self.cfg.runs, run.ok,
+                                             run.metrics, run.error))
+
+    def run(self) -> int:
+        d = self.display
+        out = self.stream
+        interrupted = False
+        aborted: str | None = None
+        contenders: list[Contender] = []
+        backends = Backends(self.topo, self.log_dir)
+        try:
+            out.write(f"kpx bench: {'quick' if self.cfg.quick else 'full'} run, "
+                      f"{self.cfg.runs} run(s) per cell, paths {','.join(self.cfg.paths)}, "
+                      f"about {self.estimate_seconds() / 60:.0f} min; "
+                      f"namespaces {self.topo.prefix}*, logs {self.log_dir}\n")
+            d.step("building namespaces")
+            self.topo.create()
+            d.step("starting backends")
+            backends.start()
+            backends.wait_ready()
+            self.topo.check_reachability(8080)
+            contenders = make_contenders(self.cfg.contenders, self.topo, self.log_dir,
+                                         self.cfg.kpx, self.cfg.etp)
+            for c in contenders:
+                d.step(f"checking {c.name}")
+                why = c.unavailable()
+                self.availability[c.name] = {"available": why is None, "reason": why,
+                                             "description": c.description}
+                if why:
+                    d.line(f"{c.name}: unavailable: {why}")
+            d.total = max(1, self._planned_steps(
+                {n for n, a in self.availability.items() if a["available"]}))
+            self.save(False)
+            for path in self.cfg.paths:
+                self.run_path(path, contenders)
+            if "control" in self.cfg.workloads:
+                self.run_control(contenders)
+        except KeyboardInterrupt:
+            interrupted = True
+            self.notes.append("interrupted (Ctrl-C / SIGTERM): results are partial")
+        except Exception as e:
+            # Setup failed (namespace clash, backend would not start...) or a bug:
+            # still clean up and write what was measured, then say why.
+            aborted = f"aborted: {type(e).__name__}: {e}"
+            self.notes.append(aborted)
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            with _signals_ignored():
+                d.step("cleaning up")
+                for c in contenders:
+                    c.stop()
+                backends.stop()
+                problems = self.topo.destroy()
+                d.finish()
+            if problems:
+                self.notes.append("cleanup problems: " + "; ".join(problems))
+                out.write("cleanup problems:\n  " + "\n  ".join(problems) + "\n")
+        self.finish(complete=not interrupted and aborted is None)
+        if interrupted:
+            return 130
+        return 1 if aborted else 0
+
+    def run_path(self, path: str, contenders: list[Contender]) -> None:
+        cfg = self.cfg
+        workloads = [w for w in self.data_workloads()
+                     if w != "mem" or path in cfg.mem_paths]
+        for c in contenders:
+            avail = self.availability[c.name]
+            for w in workloads:
+                if not avail["available"]:
+                    self.table.mark(path, w, c.name, "unavailable", avail["reason"])
+                elif w == "mem" and not c.has_process:
+                    self.table.mark(path, w, c.name, "n/a",
+                                    "no proxy process: forwarding happens in the kernel")
+        for rnd in range(cfg.runs):
+            for c in contenders:
+                if not self.availability[c.name]["available"]:
+                    continue
+                self.display.step(f"{path}: round {rnd + 1}/{cfg.runs}: starting {c.name}")
+                try:
+                    c.start(path)
+                    c.verify()
+                except ContenderError as e:
+                    c.stop()
+                    self.check_residue(c.name)
+                    for w in workloads:
+                        if w == "mem" and not c.has_process:
+                            continue
+                        self.record(path, w, c.name, rnd, Run.failed(f"start: {e}"))
+                    continue
+                try:
+                    for w in workloads:
+                        if w == "mem" and not c.has_process:
+                            continue
+                        self.display.step(f"{path}: round {rnd + 1}/{cfg.runs}: {c.name} {w}"
+                                          f" (pause {cfg.settings.pause:g}s)")
+                        time.sleep(cfg.settings.pause)
+                        t0 = time.monotonic()
+                        run = WORKLOAD_FUNCS[w](self.topo, c, cfg.settings)
+                        run.detail["wall_s"] = round(time.monotonic() - t0, 2)
+                        capped = run.detail.get("capped")
+                        if capped and f"mem: {capped}" not in self.notes:
+                            self.notes.append(f"mem: {capped}")
+                        self.record(path, w, c.name, rnd, run)
+                finally:
+                    c.stop()
+                    self.check_residue(c.name)
+                self.save(False)
+
+    def check_residue(self, name: str) -> None:
+        """Leave node1 as the next contender expects it, and say so if we had to."""
+        left = self.topo.node1_residue()
+        if left:
+            note = f"{name} left {'; '.join(left)} in node1 after stopping; removed"
+            if note not in self.notes:
+                self.notes.append(note)
+                self.display.line(f"note: {note}")
+            self.topo.reset_node1()
+
+    def run_control(self, contenders: list[Contender]) -> None:
+        kpx = next((c for c in contenders if c.name == "kpx"), None)
+        if kpx is None:
+            return
+        assert isinstance(kpx, Kpx)
+        cs = self.cfg.control
+        names = [f"apply-{n}" for n in cs.sizes] + [f"idle-{n}" for n in cs.sizes]
+        names += ["converge"] if cs.changes else []
+        if not self.availability["kpx"]["available"]:
+            for w in names:
+                self.table.mark(None, w, "kpx", "unavailable", self.availability["kpx"]["reason"])
+            return
+
+        def on_run(workload: str, index: int, run: Run) -> None:
+            self.table.cell(None, workload, "kpx").add(run)
+            runs = self.cfg.runs
+            self.display.advance(report.run_line(None, workload, "kpx", index, runs, run.ok,
+                                                 run.metrics, run.error))
+
+        run_control(kpx, cs, self.cfg.runs, self.display.step, on_run)
+        self.check_residue("kpx (control)")
+        self.save(False)
+
+    def finish(self, complete: bool) -> None:
+        out = self.stream
+        files, note = ([], None)
+        if len(self.table):
+            try:
+                files, note = report.charts(self.table, self.cfg.out, self.stamp)
+            except Exception as e:  # a chart must never lose the numbers
+                note = f"charts failed: {type(e).__name__}: {e}"
+        self.charts = files
+        if note:
+            self.notes.append(note)
+        failed = any(c.status == "failed" for c in self.table)
+        if not failed and not self.cfg.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            logs = "removed (no failures; --keep-logs keeps them)"
+        else:
+            logs = str(self.log_dir)
+        self.save(complete)
+        doc_ratios = all_ratios(self.table)
+        doc_targets = evaluate_targets(self.table)
+        out.write("\n== results (median over runs, min-max) ==\n")
+        out.write(report.summary_table(self.table) + "\n")
+        out.write("\n== ratios (medians) ==\n")
+        out.write(report.ratio_table(doc_ratios) + "\n")
+        out.write("\n== issue 5 targets ==\n")
+        out.write(report.target_table(doc_targets) + "\n")
+        out.write("\n")
+        for n in self.notes:
+            out.write(f"note: {n}\n")
+        out.write(f"results: {self.result_path}\n")
+        for f in files:
+            out.write(f"chart:   {f}\n")
+        out.write(f"logs:    {logs}\n")
+        out.flush()

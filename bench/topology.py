@@ -1,0 +1,397 @@
+"""The bench's own network-namespace topology: client, two nodes, two pods.
+
+Owns: creating and removing the namespaces, veth links, addresses, routes and
+per-namespace sysctls that every contender runs over, plus the small helpers
+to run a command or a Python callable *inside* one of those namespaces.
+
+Never: touch the root namespace. Links are created inside a bench namespace
+(``ip -n NS link add ... peer ... netns OTHER``), sysctls are written through
+``ip netns exec``, and everything is removed by ``Topology.destroy`` which the
+runner calls from a ``finally``. It is deliberately independent of ``lab/``
+(written concurrently, with different goals): a benchmark must control every
+knob that moves its numbers and record it.
+
+Layout (all /24s, addresses are private to these namespaces)::
+
+    client 10.90.1.2 --- 10.90.1.1 node1 10.90.2.1 --- 10.90.2.2 pod1 (+10.90.2.3)
+                                     10.90.3.1
+                                        |
+                                     10.90.3.2 node2 10.90.4.1 --- 10.90.4.2 pod2
+
+Pods use their node as default gateway, which is what a CNI does and what the
+transparent (client-IP keeping) path to a local endpoint needs. node2 routes
+the client subnet back via node1, so "direct" works on both paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = "/var/run/netns"
+
+ROLES = ("client", "node1", "pod1", "node2", "pod2")
+
+CLIENT_IP = "10.90.1.2"
+NODE1_IP = "10.90.1.1"  # node1's InternalIP: where NodePorts are reached
+NODE1_POD_GW = "10.90.2.1"
+POD1_IP = "10.90.2.2"
+POD1_ALT_IP = "10.90.2.3"  # second backend on pod1, for endpoint-change convergence
+NODE1_LINK_IP = "10.90.3.1"
+NODE2_IP = "10.90.3.2"
+NODE2_POD_GW = "10.90.4.1"
+POD2_IP = "10.90.4.2"
+
+# Node ephemeral ports stay above every port a proxy listens on (bench ports
+# 30000-31999, control NodePorts 20000-29999), so an upstream connect can never
+# take a port a listener is about to bind.
+NODE_PORT_RANGE = "32768 65535"
+WIDE_PORT_RANGE = "1024 65535"
+CONNTRACK_TIME_WAIT = "5"
+
+
+def base_sysctls(role: str) -> dict[str, str]:
+    """The sysctls every bench namespace gets, recorded in the results.
+
+    TIME_WAIT handling is the point (peers-and-ecosystem.md §2.2 pitfall 1):
+    with the backend closing first, reusing source ports into TIME_WAIT
+    sockets collapsed connection rates from 7k to 0.5k conn/s. A small
+    ``tcp_max_tw_buckets``, ``tcp_tw_reuse=1`` and a wide port range keep
+    that limit visible and constant instead of silently capping results.
+    Backlogs are raised so 10,000-connection bursts are not dropped at accept.
+    """
+    node = role.startswith("node")
+    s = {
+        "net.ipv4.tcp_max_tw_buckets": "512",
+        "net.ipv4.tcp_tw_reuse": "1",
+        "net.ipv4.ip_local_port_range": NODE_PORT_RANGE if node else WIDE_PORT_RANGE,
+        "net.core.somaxconn": "8192",
+        "net.ipv4.tcp_max_syn_backlog": "8192",
+    }
+    if node:
+        s["net.ipv4.ip_forward"] = "1"
+        # Strict reverse-path filtering would drop the transparent path's
+        # replies (source = client IP on the pod-side link); CNIs turn it off.
+        s["net.ipv4.conf.all.rp_filter"] = "0"
+        s["net.ipv4.conf.default.rp_filter"] = "0"
+    return s
+
+
+class CommandError(RuntimeError):
+    """A setup command failed; carries the command and its stderr."""
+
+
+def sh(cmd: Sequence[str], *, check: bool = True, timeout: float = 30.0,
+       input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a short command, capturing output; raise CommandError with stderr on failure."""
+    try:
+        cp = subprocess.run(
+            list(cmd), capture_output=True, text=True, timeout=timeout, input=input_text,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise CommandError(f"timed out after {timeout}s: {' '.join(cmd)}") from e
+    if check and cp.returncode != 0:
+        raise CommandError(f"{' '.join(cmd)} -> rc {cp.returncode}: {cp.stderr.strip()}")
+    return cp
+
+
+def _setns(path: str) -> None:
+    """Move the *calling thread* into the network namespace at ``path``.
+
+    setns(2) with CLONE_NEWNET is per thread, so a dedicated worker thread can
+    live in a bench namespace while the rest of the harness stays in root.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class NsThread:
+    """A single worker thread living in one namespace.
+
+    Used for things that must be cheap and in-namespace inside timing loops:
+    creating probe sockets (a socket belongs to the netns it was created in,
+    whichever thread later uses it) and reading ``/proc/thread-self/net/tcp``.
+    """
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"ns-{ns}",
+            initializer=_setns, initargs=(os.path.join(NETNS_DIR, ns),),
+        )
+
+    def call(self, fn: Callable[..., T], *args: object, timeout: float = 30.0) -> T:
+        return self._pool.submit(fn, *args).result(timeout=timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Topology:
+    """Five namespaces named ``<prefix><role>``; ``create`` builds, ``destroy`` removes."""
+
+    prefix: str
+    sysctls: dict[str, dict[str, str]] = field(default_factory=dict)
+    created: list[str] = field(default_factory=list)
+    _threads: dict[str, NsThread] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def for_this_process(cls) -> Topology:
+        """The prefix the brief mandates: ``kb<pid%1000>-``."""
+        return cls(prefix=f"kb{os.getpid() % 1000}-")
+
+    def ns(self, role: str) -> str:
+        return f"{self.prefix}{role}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.ns(r) for r in ROLES]
+
+    # ---- commands in namespaces -------------------------------------------------
+
+    def ip(self, role: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return sh(["ip", "-n", self.ns(role), *args], check=check)
+
+    def exec_argv(self, role: str, argv: Iterable[str]) -> list[str]:
+        """argv that runs ``argv`` inside the role's namespace (ip netns exec execs, same pid)."""
+        return ["ip", "netns", "exec", self.ns(role), *argv]
+
+    def run(self, role: str, argv: Sequence[str], *, check: bool = True,
+            timeout: float = 30.0, input_text: str | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+        return sh(self.exec_argv(role, argv), check=check, timeout=timeout,
+                  input_text=input_text)
+
+    def thread(self, role: str) -> NsThread:
+        with self._lock:
+            t = self._threads.get(role)
+            if t is None:
+                t = self._threads[role] = NsThread(self.ns(role))
+            return t
+
+    # ---- build / tear down ------------------------------------------------------
+
+    def _veth(self, a: str, a_dev: str, b: str, b_dev: str) -> None:
+        # Created inside namespace a, peer moved straight into b: never in root.
+        self.ip(a, "link", "add", a_dev, "type", "veth", "peer", "name", b_dev,
+                "netns", self.ns(b))
+
+    def _addr(self, role: str, dev: str, cidr: str) -> None:
+        self.ip(role, "addr", "add", cidr, "dev", dev)
+
+    def set_sysctls(self, role: str, values: dict[str, str]) -> None:
+        args = [f"{k}={v}" for k, v in values.items()]
+        self.run(role, ["sysctl", "-q", "-w", *args])
+        self.sysctls.setdefault(self.ns(role), {}).update(values)
+
+    def create(self) -> None:
+        """Build everything; on any error the caller's ``finally`` runs ``destroy``."""
+        existing = set(list_namespaces())
+        clash = [n for n in self.namespaces if n in existing]
+        if clash:
+            raise CommandError(
+                f"namespaces {clash} already exist (a crashed earlier run with the same "
+                f"pid%1000?); remove them with `ip netns del` after checking they are stale"
+            )
+        for role in ROLES:
+            sh(["ip", "netns", "add", self.ns(role)])
+            self.created.append(self.ns(role))
+            self.ip(role, "link", "set", "lo", "up")
+        self._veth("client", "eth0", "node1", "c0")
+        self._veth("node1", "p0", "pod1", "eth0")
+        self._veth("node1", "n2", "node2", "n1")
+        self._veth("node2", "p0", "pod2", "eth0")
+        for role, dev, cidr in (
+            ("client", "eth0", f"{CLIENT_IP}/24"),
+            ("node1", "c0", f"{NODE1_IP}/24"),
+            ("node1", "p0", f"{NODE1_POD_GW}/24"),
+            ("pod1", "eth0", f"{POD1_IP}/24"),
+            ("pod1", "eth0", f"{POD1_ALT_IP}/24"),
+            ("node1", "n2", f"{NODE1_LINK_IP}/24"),
+            ("node2", "n1", f"{NODE2_IP}/24"),
+            ("node2", "p0", f"{NODE2_POD_GW}/24"),
+            ("pod2", "eth0", f"{POD2_IP}/24"),
+        ):
+            self._addr(role, dev, cidr)
+        for role, dev in (("client", "eth0"), ("node1", "c0"), ("node1", "p0"),
+                          ("node1", "n2"), ("node2", "n1"), ("node2", "p0"),
+                          ("pod1", "eth0"), ("pod2", "eth0")):
+            self.ip(role, "link", "set", dev, "up")
+        for role in ROLES:
+            self.set_sysctls(role, base_sysctls(role))
+        self.conntrack_sysctls()
+        # rp_filter is also per device; the devices existed before "default" was set.
+        for role, devs in (("node1", ("c0", "p0", "n2")), ("node2", ("n1", "p0"))):
+            self.set_sysctls(role, {f"net.ipv4.conf.{d}.rp_filter": "0" for d in devs})
+        self.ip("client", "route", "add", "default", "via", NODE1_IP)
+        self.ip("pod1", "route", "add", "default", "via", NODE1_POD_GW)
+        self.ip("pod2", "route", "add", "default", "via", NODE2_POD_GW)
+        self.ip("node1", "route", "add", "10.90.4.0/24", "via", NODE2_IP)
+        self.ip("node2", "route", "add", "10.90.1.0/24", "via", NODE1_LINK_IP)
+        self.ip("node2", "route", "add", "10.90.2.0/24", "via", NODE1_LINK_IP)
+
+    def conntrack_sysctls(self) -> None:
+        """Keep the kernel contender's conntrack table from filling during cps.
+
+        Every proxied cps connection leaves a conntrack entry in TIME_WAIT for
+        120 s by default; at 30-40k conn/s that passes nf_conntrack_max (262,144
+        here, a global limit counted per namespace) within seconds and the
+        kernel starts dropping SYNs. 5 s keeps the steady-state count near
+        rate x 5 s. Only node1 NATs. The key exists only once nf_conntrack is
+        loaded, so the kernel contender calls this again after loading its
+        table; the cps run records the count it sees either way.
+        """
+        key = "net.netfilter.nf_conntrack_tcp_timeout_time_wait"
+        probe = self.run("node1", ["sysctl", "-n", key], check=False)
+        if probe.returncode == 0:
+            self.set_sysctls("node1", {key: CONNTRACK_TIME_WAIT})
+
+    def node1_residue(self) -> list[str]:
+        """nft tables and policy rules left in node1 (by a contender that did not clean up).
+
+        Contenders run one at a time on the same node; a leftover NAT or
+        mangle table would tax whoever runs next, so the runner checks after
+        each contender and resets node1 if anything is left.
+        """
+        out = []
+        tables = self.run("node1", ["nft", "list", "tables"], check=False).stdout
+        out += [f"nft {t.strip()}" for t in tables.splitlines() if t.strip()]
+        rules = self.ip("node1", "rule", "show", check=False).stdout
+        for line in rules.splitlines():
+            pref = line.split(":", 1)[0].strip()
+            if pref not in ("0", "32766", "32767"):
+                out.append(f"ip rule {line.strip()}")
+        return out
+
+    def reset_node1(self) -> None:
+        """Remove every nft table and non-default policy rule in node1 (ours alone)."""
+        self.run("node1", ["nft", "flush", "ruleset"], check=False)
+        rules = self.ip("node1", "rule", "show", check=False).stdout
+        for line in rules.splitlines():
+            pref = line.split(":", 1)[0].strip()
+            if pref.isdigit() and pref not in ("0", "32766", "32767"):
+                self.ip("node1", "rule", "del", "pref", pref, check=False)
+
+    def check_reachability(self, port: int, dsts: Iterable[str] = (POD1_IP, POD2_IP),
+                           timeout: float = 3.0) -> None:
+        """Fail early and clearly if the routed paths do not work (TCP, no ping needed)."""
+
+        def probe(dst: str) -> str | None:
+            try:
+                with socket.create_connection((dst, port), timeout=timeout):
+                    return None
+            except OSError as e:
+                return f"client cannot reach {dst}:{port}: {e}"
+
+        for dst in dsts:
+            err = self.thread("client").call(probe, dst)
+            if err:
+                raise CommandError(err)
+
+    def destroy(self) -> list[str]:
+        """Remove every namespace this object created; returns problems (never raises)."""
+        problems: list[str] = []
+        for t in self._threads.values():
+            t.close()
+        self._threads.clear()
+        for name in reversed(self.created):
+            with contextlib.suppress(Exception):
+                cp = sh(["ip", "netns", "del", name], check=False)
+                if cp.returncode != 0 and name in list_namespaces():
+                    problems.append(f"ip netns del {name}: {cp.stderr.strip()}")
+        self.created.clear()
+        return problems
+
+    def describe(self) -> dict[str, object]:
+        """The topology as recorded in the results file."""
+        return {
+            "namespaces": self.namespaces,
+            "client": CLIENT_IP,
+            "node1": NODE1_IP,
+            "pod1": POD1_IP,
+            "pod1_alt": POD1_ALT_IP,
+            "node2": NODE2_IP,
+            "pod2": POD2_IP,
+            "links": "veth, MTU 1500, created inside the bench namespaces",
+            "paths": {
+                "local": "client -> node1 -> pod1 (endpoint on node1)",
+                "cross": "client -> node1 -> node2 -> pod2 (endpoint on node2, SNAT)",
+            },
+        }
+
+
+def list_namespaces() -> list[str]:
+    try:
+        return sorted(os.listdir(NETNS_DIR))
+    except FileNotFoundError:
+        return []
+
+
+TCP_STATES = {
+    "01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
+    "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING",
+}
+
+
+def read_tcp_table() -> list[tuple[int, int, str]]:
+    """(local port, remote port, state) of every IPv4 TCP socket in the calling thread's netns.
+
+    Run through ``NsThread.call``; ``/proc/thread-self`` resolves to the
+    namespace of the thread, not of the process.
+    """
+    out: list[tuple[int, int, str]] = []
+    with open("/proc/thread-self/net/tcp", encoding="ascii") as f:
+        next(f, None)
+        for line in f:
+            parts = line.split(None, 4)
+            if len(parts) < 4:
+                continue
+            lport = int(parts[1].rsplit(":", 1)[1], 16)
+            rport = int(parts[2].rsplit(":", 1)[1], 16)
+            out.append((lport, rport, TCP_STATES.get(parts[3], parts[3])))
+    return out
+
+
+_LISTEN_RE = re.compile(rb"^\s*\d+: [0-9A-F]{8}:([0-9A-F]{4}) [0-9A-F]{8}:[0-9A-F]{4} 0A ", re.M)
+
+
+def listening_ports() -> set[int]:
+    """Ports with an IPv4 listener in the calling thread's netns.
+
+    A regex over the raw table rather than a per-line split: the control
+    workload polls this while kpx opens 10,000+ listeners, and the poll must
+    cost little CPU next to what it measures.
+    """
+    with open("/proc/thread-self/net/tcp", "rb") as f:
+        data = f.read()
+    return {int(m, 16) for m in _LISTEN_RE.findall(data)}
+
+
+def count_states() -> dict[str, int]:
+    """Counts of TCP socket states in the calling thread's netns (for TIME_WAIT visibility)."""
+    counts: dict[str, int] = {}
+    for _, _, st in read_tcp_table():
+        counts[st] = counts.get(st, 0) + 1
+    return counts

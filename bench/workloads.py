@@ -1,0 +1,274 @@
+"""The data-path workloads: bulk, rr, cps, mem. Each returns one checked ``Run``.
+
+Owns: driving the load generators in the client namespace against one
+contender's target, and deciding whether the run is clean:
+
+- bulk: the exact sender/receiver (``bench.bulk``) must report bytes received
+  == bytes sent (or iperf3 within its documented in-flight allowance);
+- rr / cps: wrk must report zero socket errors and zero non-2xx responses;
+- mem: every one of the N connections must reach the backend, and none may be
+  closed by the proxy while idle.
+
+Every load is bounded: wrk and the bulk sender by duration, the mem client
+by connection count and a deadline, and each subprocess by a timeout.
+TIME_WAIT is recorded around cps runs (per namespace) so its handling is
+visible in the results rather than silently capping them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.backends import HTTP_PORT
+from bench.contenders import Contender, Kernel
+from bench.parsers import ParseError, parse_iperf3, parse_wrk
+from bench.procs import nofile_hard_limit, raise_nofile, rss_bytes, wait_until
+from bench.results import Run
+from bench.topology import CommandError, Topology, count_states, read_tcp_table, sh
+
+MEM_FD_RESERVE = 300
+"""Descriptors a proxy needs besides its two per connection (listeners, epoll, logs)."""
+
+
+@dataclass
+class Settings:
+    """Everything that shapes a data-path run; recorded verbatim in the results."""
+
+    durations: dict[str, float] = field(
+        default_factory=lambda: {"bulk": 5.0, "rr": 10.0, "cps": 10.0})
+    pause: float = 3.0
+    rr_connections: int = 50
+    cps_connections: int = 50
+    wrk_threads: int = 1
+    wrk_timeout: str = "2s"
+    mem_connections: int = 10000
+    mem_settle: float = 1.0
+    bulk_tool: str = "exact"
+    iperf3_tail_allowance: int = 64 << 20
+    """Bytes iperf3's receiver may miss at the end: what fits in a proxied path's buffers."""
+
+    def mem_n(self) -> tuple[int, str | None]:
+        """Connections for the mem workload, capped by what a proxy can open.
+
+        Each proxied connection costs the proxy two descriptors, and without
+        CAP_SYS_RESOURCE nobody here may exceed the inherited hard limit.
+        """
+        cap = (nofile_hard_limit() - MEM_FD_RESERVE) // 2
+        if self.mem_connections <= cap:
+            return self.mem_connections, None
+        return cap, (
+            f"{self.mem_connections} requested, {cap} used: RLIMIT_NOFILE hard limit is "
+            f"{nofile_hard_limit()} (no CAP_SYS_RESOURCE to raise it) and each proxied "
+            f"connection needs 2 descriptors in the proxy"
+        )
+
+
+def _client(topo: Topology, argv: list[str], timeout: float
+            ) -> subprocess.CompletedProcess[str]:
+    return sh(topo.exec_argv("client", argv), check=False, timeout=timeout)
+
+
+def _tw_snapshot(topo: Topology, roles: tuple[str, ...]) -> dict[str, int]:
+    return {r: topo.thread(r).call(count_states).get("TIME_WAIT", 0) for r in roles}
+
+
+def _node1_sysctl_int(topo: Topology, key: str) -> int | None:
+    cp = topo.run("node1", ["sysctl", "-n", key], check=False)
+    try:
+        return int(cp.stdout.strip())
+    except ValueError:
+        return None
+
+
+def _conntrack_count(topo: Topology) -> int | None:
+    return _node1_sysctl_int(topo, "net.netfilter.nf_conntrack_count")
+
+
+def _conntrack_max(topo: Topology) -> int | None:
+    return _node1_sysctl_int(topo, "net.netfilter.nf_conntrack_max")
+
+
+def bulk(topo: Topology, c: Contender, s: Settings) -> Run:
+    t = c.target()
+    secs = s.durations["bulk"]
+    if s.bulk_tool == "iperf3":
+        return _bulk_iperf3(topo, c, s)
+    try:
+        cp = _client(topo, [sys.executable, "-m", "bench.bulk", "source", "--host", t.ip,
+                            "--port", str(t.bulk_port), "--seconds", str(secs)], secs + 90)
+    except CommandError as e:
+        return Run.failed(f"bulk sender: {e}")
+    try:
+        out = json.loads(cp.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return Run.failed(f"bulk sender rc={cp.returncode}: {(cp.stderr or cp.stdout)[-300:]}")
+    detail = {"bytes_sent": out.get("sent"), "bytes_received": out.get("received"),
+              "seconds": out.get("seconds"), "tool": "bench.bulk (1 MiB sendall/recv_into)"}
+    if out.get("error"):
+        return Run.failed(f"bulk: {out['error']}", **detail)
+    if out["received"] != out["sent"]:
+        return Run.failed(f"bytes received {out['received']} != sent {out['sent']}", **detail)
+    return Run(ok=True, metrics={"gbps": float(out["gbps"])}, detail=detail)
+
+
+def _bulk_iperf3(topo: Topology, c: Contender, s: Settings) -> Run:
+    t = c.target()
+    secs = s.durations["bulk"]
+    try:
+        cp = _client(topo, ["iperf3", "-c", t.ip, "-p", str(t.iperf_port), "-t", f"{secs:g}",
+                            "-J"], secs + 60)
+        r = parse_iperf3(cp.stdout)
+    except (CommandError, ParseError) as e:
+        return Run.failed(f"iperf3: {e}")
+    detail = {"bytes_sent": r.sent_bytes, "bytes_received": r.received_bytes,
+              "tool": "iperf3", "tail_allowance_bytes": s.iperf3_tail_allowance}
+    problems = r.problems(s.iperf3_tail_allowance)
+    if problems:
+        return Run.failed("; ".join(problems), **detail)
+    return Run(ok=True, metrics={"gbps": r.gbps}, detail=detail)
+
+
+def _wrk(topo: Topology, c: Contender, s: Settings, workload: str) -> Run:
+    t = c.target()
+    secs = s.durations[workload]
+    conns = s.rr_connections if workload == "rr" else s.cps_connections
+    argv = ["wrk", f"-t{s.wrk_threads}", f"-c{conns}", f"-d{secs:g}s", "--latency",
+            "--timeout", s.wrk_timeout]
+    if workload == "cps":
+        argv += ["-H", "Connection: close"]
+    argv.append(f"http://{t.ip}:{t.http_port}/")
+    try:
+        cp = _client(topo, argv, secs + 60)
+    except CommandError as e:
+        return Run.failed(f"wrk: {e}")
+    try:
+        w = parse_wrk(cp.stdout)
+    except ParseError as e:
+        return Run.failed(f"wrk rc={cp.returncode}: {e}: {(cp.stderr or cp.stdout)[-300:]}")
+    detail: dict[str, Any] = {
+        "requests": w.requests, "seconds": w.seconds, "connections": conns,
+        "latency_ms": {str(k): v for k, v in w.latency_ms.items()},
+        "socket_errors": {"connect": w.connect_errors, "read": w.read_errors,
+                          "write": w.write_errors, "timeout": w.timeouts},
+        "non_2xx": w.non_2xx,
+    }
+    problems = w.problems()
+    dead = c.alive_problem()
+    if dead:
+        problems.append(dead)
+    if problems:
+        return Run.failed("; ".join(problems), **detail)
+    if workload == "rr":
+        if 50 not in w.latency_ms or 99 not in w.latency_ms:
+            return Run.failed("wrk printed no latency distribution", **detail)
+        return Run(ok=True, metrics={"req_per_s": w.req_per_s, "p50_ms": w.latency_ms[50],
+                                     "p99_ms": w.latency_ms[99]}, detail=detail)
+    return Run(ok=True, metrics={"conn_per_s": w.req_per_s}, detail=detail)
+
+
+def rr(topo: Topology, c: Contender, s: Settings) -> Run:
+    return _wrk(topo, c, s, "rr")
+
+
+def cps(topo: Topology, c: Contender, s: Settings) -> Run:
+    """New connection per request; TIME_WAIT per namespace recorded before and after."""
+    pod = "pod1" if c.path == "local" else "pod2"
+    roles = ("client", "node1", pod)
+    before = _tw_snapshot(topo, roles)
+    run = _wrk(topo, c, s, "cps")
+    run.detail["time_wait_before"] = before
+    run.detail["time_wait_after"] = _tw_snapshot(topo, roles)
+    if isinstance(c, Kernel):
+        count, limit = _conntrack_count(topo), _conntrack_max(topo)
+        run.detail["conntrack_count_after"] = count
+        run.detail["conntrack_max"] = limit
+        if run.ok and count and limit and count >= 0.95 * limit:
+            return Run.failed(f"conntrack table full ({count}/{limit}): new connections were "
+                              f"dropped", **run.detail)
+    return run
+
+
+def _backend_established(topo: Topology, c: Contender) -> int:
+    pod = "pod1" if c.path == "local" else "pod2"
+    table = topo.thread(pod).call(read_tcp_table)
+    return sum(1 for lp, _, st in table if lp == HTTP_PORT and st == "ESTABLISHED")
+
+
+def mem(topo: Topology, c: Contender, s: Settings) -> Run:
+    """RSS growth of the proxy per idle proxied connection, at N concurrent connections."""
+    n, cap_note = s.mem_n()
+    pids = c.pids()
+    if not pids:
+        return Run.failed("no proxy process to measure")
+    t = c.target()
+    base_backend = _backend_established(topo, c)
+    time.sleep(0.2)
+    rss0 = rss_bytes(c.pids())
+    proc = subprocess.Popen(
+        topo.exec_argv("client", [sys.executable, "-m", "bench.memclient", "--host", t.ip,
+                                  "--port", str(t.http_port), "-n", str(n)]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: raise_nofile(nofile_hard_limit()),
+    )
+    detail: dict[str, Any] = {"connections": n, "rss_before": rss0}
+    if cap_note:
+        detail["capped"] = cap_note
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = proc.stdout.readline()
+        try:
+            opened = json.loads(line)
+        except json.JSONDecodeError:
+            return Run.failed(f"mem client: {line.strip() or proc.stderr.read()[-300:]}",
+                              **detail)
+        detail["client"] = opened
+        if opened["opened"] != n:
+            return Run.failed(f"only {opened['opened']} of {n} connections opened "
+                              f"({opened['failed']} failed: {opened['error']})", **detail)
+        reached = wait_until(lambda: _backend_established(topo, c) - base_backend >= n,
+                             30.0, 0.2)
+        at_backend = _backend_established(topo, c) - base_backend
+        detail["at_backend"] = at_backend
+        if not reached:
+            return Run.failed(f"only {at_backend} of {n} connections reached the backend",
+                              **detail)
+        time.sleep(s.mem_settle)
+        samples = []
+        for _ in range(3):
+            samples.append(rss_bytes(c.pids()))
+            time.sleep(0.2)
+        rss1 = sorted(samples)[1]
+        detail["rss_after"] = rss1
+        dead = c.alive_problem()
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        tail = proc.stdout.readline()
+        try:
+            closed_early = json.loads(tail).get("closed_early", 0)
+        except json.JSONDecodeError:
+            closed_early = None
+        detail["closed_early"] = closed_early
+        if dead:
+            return Run.failed(dead, **detail)
+        if closed_early:
+            return Run.failed(f"{closed_early} idle connections were closed by the proxy",
+                              **detail)
+        return Run(ok=True, metrics={"kib_per_conn": (rss1 - rss0) / n / 1024.0},
+                   detail=detail)
+    finally:
+        if proc.poll() is None:
+            try:
+                proc.communicate(input="stop\n", timeout=30)
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                proc.kill()
+                proc.wait(timeout=10)
+        # Let the proxy tear the pairs down before anyone measures anything else.
+        wait_until(lambda: _backend_established(topo, c) <= base_backend + 10, 20.0, 0.2)
+
+
+WORKLOAD_FUNCS = {"bulk": bulk, "rr": rr, "cps": cps, "mem": mem}

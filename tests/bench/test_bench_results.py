@@ -1,0 +1,207 @@
+"""Result-file format, ratio arithmetic and target evaluation (no network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.results import (
+    METRICS,
+    SCHEMA,
+    TARGETS,
+    Cell,
+    CellTable,
+    Run,
+    Summary,
+    all_ratios,
+    document,
+    evaluate_targets,
+    load,
+    ratio,
+    validate,
+    write,
+)
+
+META = {
+    "started": "2026-11-21T22:00:00+00:00", "finished": "2026-11-21T22:03:00+00:00",
+    "config": {"runs": 3}, "machine": {"nproc": 2}, "sysctls": {"kb1-node1": {}},
+    "topology": {}, "contenders": {"kpx": {"available": True, "reason": None}},
+    "notes": [], "charts": [],
+}
+
+
+def ok(**metrics: float) -> Run:
+    return Run(ok=True, metrics=metrics)
+
+
+def table_with(**cells: list[Run]) -> CellTable:
+    """``contender_workload=[runs]`` on path local."""
+    t = CellTable()
+    for key, runs in cells.items():
+        contender, workload = key.replace("kpx_w2", "kpx-w2").rsplit("_", 1)
+        for r in runs:
+            t.cell("local", workload, contender).add(r)
+    return t
+
+
+def test_failed_run_never_carries_a_number() -> None:
+    r = Run(ok=False, metrics={"req_per_s": 1e6}, error="wrk socket errors")
+    assert r.metrics == {}
+    assert Run(ok=False).error  # a reason is always there
+
+
+def test_summary_min_median_max() -> None:
+    s = Summary.of([3.0, 1.0, 2.0, 10.0])
+    assert (s.min, s.median, s.max, s.n) == (1.0, 2.5, 10.0, 4)
+
+
+def test_one_failed_run_fails_the_cell() -> None:
+    c = Cell("local", "rr", "kpx")
+    c.add(ok(req_per_s=10.0, p50_ms=1.0, p99_ms=2.0))
+    assert c.status == "ok" and c.median("req_per_s") == 10.0
+    c.add(Run.failed("wrk non-2xx/3xx responses: 3"))
+    assert c.status == "failed"
+    assert "non-2xx" in (c.reason or "")
+    assert c.summary == {} and c.median("req_per_s") is None
+
+
+def test_ratio_of_medians() -> None:
+    t = table_with(kpx_cps=[ok(conn_per_s=v) for v in (9.0, 10.0, 11.0)],
+                   haproxy_cps=[ok(conn_per_s=v) for v in (4.0, 5.0, 100.0)])
+    r = ratio(t, "local", "conn_per_s", "kpx", "haproxy")
+    assert r.value == pytest.approx(2.0) and r.reason is None
+    assert r.name == "kpx/haproxy" and r.workload == "cps"
+
+
+def test_ratio_with_failed_side_has_no_value() -> None:
+    t = table_with(kpx_rr=[Run.failed("start: kpx exited rc=1")],
+                   haproxy_rr=[ok(req_per_s=5.0, p50_ms=1.0, p99_ms=2.0)])
+    r = ratio(t, "local", "req_per_s", "kpx", "haproxy")
+    assert r.value is None
+    assert "kpx rr failed" in (r.reason or "")
+
+
+def test_ratio_with_missing_or_unavailable_side() -> None:
+    t = table_with(kpx_rr=[ok(req_per_s=5.0, p50_ms=1.0, p99_ms=2.0)])
+    assert "not measured" in (ratio(t, "local", "req_per_s", "kpx", "haproxy").reason or "")
+    t.mark("local", "rr", "kpx-w2", "unavailable", "no --workers")
+    r = ratio(t, "local", "req_per_s", "kpx-w2", "kpx")
+    assert r.value is None and "unavailable" in (r.reason or "")
+
+
+def test_ratio_with_zero_denominator() -> None:
+    t = table_with(kpx_bulk=[ok(gbps=1.0)], haproxy_bulk=[ok(gbps=0.0)])
+    assert ratio(t, "local", "gbps", "kpx", "haproxy").value is None
+
+
+def test_all_ratios_cover_pairs_on_each_path() -> None:
+    t = table_with(kpx_rr=[ok(req_per_s=8.0, p50_ms=1.0, p99_ms=3.0)],
+                   haproxy_rr=[ok(req_per_s=4.0, p50_ms=2.0, p99_ms=2.0)],
+                   kernel_rr=[ok(req_per_s=16.0, p50_ms=0.5, p99_ms=1.0)],
+                   kpx_w2_rr=[ok(req_per_s=12.0, p50_ms=1.0, p99_ms=3.0)])
+    by = {(r.name, r.metric): r.value for r in all_ratios(t)}
+    assert by[("kpx/haproxy", "req_per_s")] == pytest.approx(2.0)
+    assert by[("kpx/haproxy", "p99_ms")] == pytest.approx(1.5)
+    assert by[("kpx/kernel", "req_per_s")] == pytest.approx(0.5)
+    assert by[("kpx-w2/kpx", "req_per_s")] == pytest.approx(1.5)
+    # bulk was not run by anyone on this path: no bulk ratios at all
+    assert not any(m == "gbps" for _, m in by)
+
+
+def test_targets_met_missed_and_not_measured() -> None:
+    t = table_with(
+        kpx_rr=[ok(req_per_s=10.0, p50_ms=1.0, p99_ms=3.0)],
+        haproxy_rr=[ok(req_per_s=10.0, p50_ms=1.0, p99_ms=2.0)],
+        kpx_w2_rr=[ok(req_per_s=16.0, p50_ms=1.0, p99_ms=3.0)],
+        kpx_mem=[ok(kib_per_conn=12.5)],
+        kpx_cps=[Run.failed("wrk socket errors: connect 3")],
+        haproxy_cps=[ok(conn_per_s=5.0)],
+    )
+    t.cell(None, "apply-10000", "kpx").add(ok(apply_s=1.4))
+    res = {(r.key, r.path): r for r in evaluate_targets(t)}
+    assert res[("rr", "local")].status == "met"  # exactly 1.0x counts
+    assert res[("rr", "local")].measured == pytest.approx(1.0)
+    assert res[("rr_p99", "local")].status == "met"  # 1.5x is the limit
+    assert res[("workers", "local")].status == "missed"  # 1.6x < 1.7x
+    assert res[("mem", "local")].status == "met" and res[("mem", "local")].unit == "KiB"
+    assert res[("cps", "local")].status == "not measured"
+    assert "failed" in (res[("cps", "local")].reason or "")
+    assert res[("apply", None)].status == "missed"
+    assert res[("apply", None)].measured == pytest.approx(1.4)
+    assert res[("converge", None)].status == "not measured"
+    assert res[("bulk", None)].status == "not measured"
+    assert {k for k, _ in res} == {tg.key for tg in TARGETS}
+
+
+def test_targets_follow_the_issue_table() -> None:
+    got = {t.key: (t.metric, t.op, t.threshold, t.ref) for t in TARGETS}
+    assert got == {
+        "bulk": ("gbps", ">=", 1.0, "haproxy"),
+        "rr": ("req_per_s", ">=", 1.0, "haproxy"),
+        "rr_p99": ("p99_ms", "<=", 1.5, "haproxy"),
+        "cps": ("conn_per_s", ">=", 1.0, "haproxy"),
+        "mem": ("kib_per_conn", "<=", 16.0, None),
+        "apply": ("apply_s", "<=", 1.0, None),
+        "converge": ("converge_p99_ms", "<=", 100.0, None),
+        "workers": ("req_per_s", ">=", 1.7, "kpx"),
+    }
+
+
+def full_table() -> CellTable:
+    t = table_with(
+        kpx_rr=[ok(req_per_s=v, p50_ms=1.0, p99_ms=2.0) for v in (1.0, 2.0, 3.0)],
+        haproxy_rr=[ok(req_per_s=2.0, p50_ms=1.0, p99_ms=2.0)],
+        kpx_bulk=[Run.failed("bytes received 10 != sent 11", bytes_sent=11)],
+    )
+    t.mark("local", "mem", "kernel", "n/a", "no proxy process")
+    t.cell(None, "converge", "kpx").add(ok(converge_p50_ms=20.0, converge_p99_ms=60.0))
+    return t
+
+
+def test_document_round_trip(tmp_path: Path) -> None:
+    doc = document(full_table(), meta=META, complete=True)
+    assert validate(doc) == []
+    path = tmp_path / "r.json"
+    write(path, doc)
+    again, table = load(path)
+    assert again == json.loads(json.dumps(doc))
+    assert again["schema"] == SCHEMA
+    assert document(table, meta=META, complete=True) == again
+    cell = table.get("local", "rr", "kpx")
+    assert cell is not None and cell.summary["req_per_s"].median == 2.0
+    bulk = table.get("local", "bulk", "kpx")
+    assert bulk is not None and bulk.status == "failed" and bulk.summary == {}
+
+
+def test_document_shapes() -> None:
+    doc = document(full_table(), meta=META, complete=False)
+    for key in ("schema", "complete", "machine", "sysctls", "config", "cells", "ratios",
+                "targets", "metrics"):
+        assert key in doc
+    assert set(doc["metrics"]) == set(METRICS)
+    cell = next(c for c in doc["cells"] if c["workload"] == "rr")
+    assert set(cell["summary"]["req_per_s"]) == {"min", "median", "max", "n"}
+    assert all(isinstance(r["ok"], bool) for c in doc["cells"] for r in c["runs"])
+    assert json.loads(json.dumps(doc)) == doc  # pure JSON types
+
+
+@pytest.mark.parametrize(("mutate", "needle"), [
+    (lambda d: d.pop("machine"), "$.machine: missing"),
+    (lambda d: d.update(schema="kpx-bench/0"), "$.schema"),
+    (lambda d: d.update(complete="yes"), "$.complete"),
+    (lambda d: d["cells"][0]["runs"][0].update(ok=False), "a failed run has numbers"),
+    (lambda d: d["cells"][0]["runs"][0]["metrics"].update(req_per_s="fast"), "not a number"),
+    (lambda d: d["cells"][0].update(status="weird"), "status"),
+    (lambda d: d["cells"][0].update(status="failed", reason=None), "without a reason"),
+    (lambda d: d["cells"][0]["summary"]["req_per_s"].pop("n"), "min/median/max/n"),
+    (lambda d: d["ratios"].append({"name": "x"}), "$.ratios"),
+    (lambda d: d["targets"].append({"status": "meh"}), "$.targets"),
+])
+def test_validate_catches(mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
+    doc = json.loads(json.dumps(document(full_table(), meta=META, complete=True)))
+    doc["cells"].sort(key=lambda c: c["workload"] != "rr")
+    mutate(doc)
+    problems = validate(doc)
+    assert any(needle in p for p in problems), problems

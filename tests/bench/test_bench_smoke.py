@@ -1,0 +1,149 @@
+"""Smoke: every contender on a ~2-second workload gives a figure or a clear reason.
+
+Needs root, network namespaces and the Debian tools (haproxy, wrk, nft).
+No timing thresholds: only that each cell ends as a number or as a failure
+with a reason, that the results file is well formed, and that every
+namespace and process the harness created is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.contenders import CONTENDER_ORDER
+from bench.control import ControlSettings
+from bench.results import load, metrics_of
+from bench.runner import Bench, Config
+from bench.topology import list_namespaces
+from bench.workloads import Settings
+
+pytestmark = pytest.mark.lab
+
+HERE = Path(__file__).resolve().parent
+
+
+def require_lab() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("bench smoke needs root (network namespaces)")
+    missing = [t for t in ("ip", "nft", "haproxy", "wrk", "sysctl") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"bench smoke needs {', '.join(missing)} (.ci/system-deps installs them)")
+
+
+def kpx_executable() -> str:
+    beside = Path(sys.executable).parent / "kpx"
+    return str(beside) if beside.exists() else (shutil.which("kpx") or "kpx")
+
+
+def fake_kpx(tmp_path: Path) -> str:
+    """An executable named like kpx that runs tests/bench/fake_kpx.py."""
+    exe = tmp_path / "fake-kpx"
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE / "fake_kpx.py"} "$@"\n')
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def run_bench(cfg: Config) -> tuple[dict, object, str]:
+    out = io.StringIO()
+    bench = Bench(cfg, stream=out)
+    prefix = bench.topo.prefix
+    try:
+        rc = bench.run()
+    finally:
+        leftover = [n for n in list_namespaces() if n.startswith(prefix)]
+        assert leftover == [], f"namespaces left behind: {leftover}"
+    assert rc == 0, out.getvalue()[-3000:]
+    doc, table = load(bench.result_path)
+    return doc, table, out.getvalue()
+
+
+def check_cells(table, expected: list[tuple[str | None, str, str]], text: str) -> None:  # type: ignore[no-untyped-def]
+    for path, workload, contender in expected:
+        cell = table.get(path, workload, contender)
+        assert cell is not None, f"no cell for {path} {workload} {contender}\n{text}"
+        if cell.status == "ok":
+            names = {m.name for m in metrics_of(workload)}
+            assert names <= set(cell.summary), (cell.to_json(), names)
+            for m in names:
+                assert cell.summary[m].n == len(cell.runs) >= 1
+        else:
+            assert cell.status in ("failed", "unavailable", "n/a"), cell.status
+            assert cell.reason and len(cell.reason) > 10, cell.to_json()
+
+
+@pytest.mark.timeout(240)
+def test_every_contender_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
+    require_lab()
+    cfg = Config(
+        quick=True, runs=1, paths=["local"], mem_paths=["local"],
+        workloads=["bulk", "rr", "cps", "mem"], contenders=list(CONTENDER_ORDER),
+        out=tmp_path, kpx=kpx_executable(),
+        settings=Settings(durations={"bulk": 1.0, "rr": 2.0, "cps": 2.0}, pause=0.2,
+                          mem_connections=200, mem_settle=0.2),
+    )
+    doc, table, text = run_bench(cfg)
+    expected = [("local", w, c) for w in cfg.workloads for c in CONTENDER_ORDER]
+    check_cells(table, expected, text)
+    # The references must actually work, or no ratio means anything.
+    for c in ("direct", "kernel", "haproxy", "naive"):
+        for w in ("bulk", "rr", "cps"):
+            cell = table.get("local", w, c)
+            assert cell is not None and cell.status == "ok", (c, w, cell and cell.reason)
+    for c in ("haproxy", "naive"):
+        assert table.get("local", "mem", c).status == "ok"
+    assert table.get("local", "mem", "kernel").status == "n/a"
+    assert doc["complete"] is True
+    assert doc["sysctls"] and all(
+        s["net.ipv4.tcp_tw_reuse"] == "1" for s in doc["sysctls"].values())
+    assert {t["key"] for t in doc["targets"]} >= {"bulk", "rr", "cps", "mem"}
+    assert "== issue 5 targets ==" in text and "kpx/haproxy" in text
+
+
+@pytest.mark.timeout(180)
+def test_control_plumbing_with_a_stand_in_kpx(tmp_path: Path) -> None:
+    """apply / idle / converge against fake_kpx.py: the harness side of control works."""
+    require_lab()
+    pytest.importorskip("proxy.k8s")
+    cfg = Config(
+        quick=True, runs=1, paths=["local"], workloads=["rr", "control"],
+        contenders=["kpx"], out=tmp_path, kpx=fake_kpx(tmp_path),
+        settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0}, pause=0.1),
+        control=ControlSettings(sizes=(20, 60), changes=5, conv_services=20,
+                                idle_seconds=0.5, apply_timeout=30.0),
+    )
+    _doc, table, text = run_bench(cfg)
+    for w in ("apply-20", "apply-60", "idle-20", "idle-60", "converge"):
+        cell = table.get(None, w, "kpx")
+        assert cell is not None and cell.status == "ok", (w, cell and cell.reason, text)
+    conv = table.get(None, "converge", "kpx")
+    assert len(conv.runs[0].detail["samples_ms"]) == 5
+    assert table.get("local", "rr", "kpx").status == "ok"
+    assert table.get("local", "rr", "kpx-w2") is None
+
+
+def test_namespace_clash_aborts_cleanly_and_leaves_foreign_namespaces(tmp_path: Path) -> None:
+    """A namespace with our name that we did not create is reported, never deleted."""
+    require_lab()
+    cfg = Config(quick=True, runs=1, paths=["local"], workloads=["rr"],
+                 contenders=["direct"], out=tmp_path)
+    out = io.StringIO()
+    bench = Bench(cfg, stream=out)
+    foreign = bench.topo.ns("node1")
+    subprocess.run(["ip", "netns", "add", foreign], check=True)
+    try:
+        assert bench.run() == 1
+        assert foreign in list_namespaces()
+        mine = [n for n in list_namespaces() if n.startswith(bench.topo.prefix)]
+        assert mine == [foreign]
+        doc, _ = load(bench.result_path)
+        assert doc["complete"] is False
+        assert any("already exist" in n for n in doc["notes"])
+    finally:
+        subprocess.run(["ip", "netns", "del", foreign], check=False)

@@ -1,0 +1,179 @@
+"""The harness's pure pieces: state files, flags, percentiles, tables and charts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import cli, k8s_state, report
+from bench.contenders import bench_state
+from bench.control import ControlSettings, percentile
+from bench.results import CellTable, Run
+from bench.workloads import MEM_FD_RESERVE, Settings
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli.configure(p)
+    return p.parse_args(list(argv))
+
+
+# ---- state files -------------------------------------------------------------------
+
+
+def test_bench_state_is_valid_kubernetes_yaml() -> None:
+    k8s = pytest.importorskip("proxy.k8s")
+    snap = k8s.parse_state(bench_state("cross", 30400, 30401))
+    assert {n.name for n in snap.nodes} == {"node1", "node2"}
+    assert snap.node("node1").internal_ips == ("10.90.1.1",)
+    (svc,) = snap.services
+    assert svc.type == "NodePort" and svc.external_traffic_policy == "Cluster"
+    assert {(p.name, p.node_port) for p in svc.ports} == {
+        ("http", 30400), ("bulk", 30401), ("iperf", 30403)}
+    (sl,) = snap.slices_for(svc)
+    (ep,) = sl.endpoints
+    assert (ep.address, ep.node_name, ep.ready) == ("10.90.4.2", "node2", True)
+    assert {p.name for p in sl.ports} == {"http", "bulk", "iperf"}
+
+
+def test_many_services_state() -> None:
+    k8s = pytest.importorskip("proxy.k8s")
+    eps = (k8s_state.Ep("10.90.2.2", "node1"), k8s_state.Ep("10.90.2.3", "node1"),
+           k8s_state.Ep("10.90.4.2", "node2"))
+    text = k8s_state.render([("node1", "10.90.1.1")],
+                            k8s_state.many_services(300, 20000, eps, 8080))
+    snap = k8s.parse_state(text)
+    assert len(snap.services) == 300
+    ports = sorted(p.node_port for s in snap.services for p in s.ports)
+    assert ports == list(range(20000, 20300))
+    assert len({s.cluster_ip for s in snap.services}) == 300
+    assert all(len(sl.endpoints) == 3 for sl in snap.slices)
+
+
+def test_cluster_ips_unique_for_ten_thousand() -> None:
+    ips = {k8s_state.cluster_ip(i) for i in range(10001)}
+    assert len(ips) == 10001
+    assert all(ip.startswith("10.96.") or ip.startswith("10.97.") for ip in ips)
+
+
+def test_write_atomic_replaces(tmp_path: Path) -> None:
+    p = tmp_path / "state.yaml"
+    k8s_state.write_atomic(p, "a")
+    k8s_state.write_atomic(p, "b")
+    assert p.read_text() == "b"
+    assert [x.name for x in tmp_path.iterdir()] == ["state.yaml"]
+
+
+# ---- flags -------------------------------------------------------------------------
+
+
+def test_quick_defaults() -> None:
+    cfg = cli.build_config(parse("--quick"))
+    assert cfg.quick and cfg.runs == 1 and cfg.paths == ["local"]
+    assert cfg.settings.durations == {"bulk": 2.0, "rr": 3.0, "cps": 3.0}
+    assert cfg.control.changes == 20
+    assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2"]
+    assert cfg.workloads == ["bulk", "rr", "cps", "mem", "control"]
+
+
+def test_full_defaults_and_overrides(tmp_path: Path) -> None:
+    cfg = cli.build_config(parse())
+    assert cfg.runs == 3 and cfg.paths == ["local", "cross"] and cfg.mem_paths == ["local"]
+    assert cfg.control.changes == 100 and cfg.control.sizes == (1000, 10000)
+    cfg = cli.build_config(parse("--quick", "--duration", "7", "--runs", "2", "--paths",
+                                 "cross", "--workloads", "rr,cps", "--contenders",
+                                 "haproxy,kpx", "--out", str(tmp_path), "--changes", "0",
+                                 "--control-sizes", "10,20"))
+    assert cfg.settings.durations == {"bulk": 7.0, "rr": 7.0, "cps": 7.0}
+    assert cfg.runs == 2 and cfg.paths == ["cross"] and cfg.mem_paths == ["cross"]
+    assert cfg.workloads == ["rr", "cps"] and cfg.contenders == ["haproxy", "kpx"]
+    assert cfg.out == tmp_path and cfg.control.changes == 0 and cfg.control.sizes == (10, 20)
+
+
+def test_unknown_names_are_rejected() -> None:
+    with pytest.raises(SystemExit):
+        parse("--contenders", "envoy")
+    with pytest.raises(SystemExit):
+        parse("--workloads", "rr,latency")
+
+
+def test_config_is_json_serialisable() -> None:
+    import json
+
+    json.dumps(cli.build_config(parse("--quick")).to_json())
+
+
+# ---- small arithmetic --------------------------------------------------------------
+
+
+def test_percentile_nearest_rank() -> None:
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == 50.0
+    assert percentile(xs, 99) == 99.0
+    assert percentile(xs, 100) == 100.0
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([3.0, 1.0, 2.0], 99) == 3.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_mem_connections_capped_by_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("bench.workloads.nofile_hard_limit", lambda: 20000)
+    n, note = Settings(mem_connections=10000).mem_n()
+    assert n == (20000 - MEM_FD_RESERVE) // 2 and note and "RLIMIT_NOFILE" in note
+    monkeypatch.setattr("bench.workloads.nofile_hard_limit", lambda: 1 << 20)
+    assert Settings(mem_connections=10000).mem_n() == (10000, None)
+
+
+def test_control_settings_defaults_match_issue() -> None:
+    cs = ControlSettings()
+    assert cs.sizes == (1000, 10000) and cs.changes == 100 and len(cs.endpoints) == 3
+
+
+# ---- reporting ---------------------------------------------------------------------
+
+
+def sample_table() -> CellTable:
+    t = CellTable()
+    t.cell("local", "rr", "haproxy").add(Run(True, {"req_per_s": 50000.0, "p50_ms": 0.8,
+                                                    "p99_ms": 1.9}))
+    t.cell("local", "rr", "kpx").add(Run.failed("start: kpx exited rc=1: ImportError"))
+    t.mark("local", "mem", "kernel", "n/a", "no proxy process")
+    t.cell(None, "apply-10000", "kpx").add(Run(True, {"apply_s": 0.5}))
+    return t
+
+
+def test_summary_table_shows_reasons_not_numbers() -> None:
+    text = report.summary_table(sample_table())
+    assert "50,000" in text and "FAILED" in text and "ImportError" in text
+    assert "N/A" in text and "apply-10000" in text
+    # control (path None) sorts after the data paths
+    assert text.index("apply-10000") > text.index("rr")
+
+
+def test_run_line_labels_percentiles() -> None:
+    line = report.run_line("local", "rr", "kpx", 0, 3, True,
+                           {"req_per_s": 1234.5, "p50_ms": 0.5, "p99_ms": 2.0}, None)
+    assert "1,234 req/s" in line and "p50 0.5 ms" in line and "p99 2.00 ms" in line
+    assert "run 1/3" in line
+    bad = report.run_line("local", "rr", "kpx", 1, 3, False, {}, "wrk socket errors")
+    assert "FAILED: wrk socket errors" in bad
+
+
+def test_charts_written_per_workload(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    files, note = report.charts(sample_table(), tmp_path, "x")
+    assert note is None
+    assert sorted(Path(f).name for f in files) == ["x-apply.png", "x-mem.png", "x-rr.png"]
+    assert all(Path(f).stat().st_size > 1000 for f in files)
+
+
+def test_charts_skipped_without_matplotlib(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    files, note = report.charts(sample_table(), tmp_path, "x")
+    assert files == [] and note and "matplotlib" in note
+    assert list(tmp_path.iterdir()) == []
