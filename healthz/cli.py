@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT, then close every port and return 0."""
-    from proxy.source import StateFileSource
+    from proxy.kubeapi import KubeConfigError
+    from proxy.node import make_source, start_source
     from proxy.state import ProxyHealth, StateHub
 
     loop = asyncio.get_running_loop()
@@ -43,16 +44,21 @@ async def serve(args: argparse.Namespace) -> int:
         nodeport_addresses=args.nodeport_addresses or None,
         retry_interval=min(5.0, args.sync_period),
     )
+    try:
+        source = make_source(args, hub)
+    except KubeConfigError as e:
+        log.error("%s", e)
+        return 2
     await sidecar.start()
-    source = StateFileSource(args.state, hub)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, source.reload)
 
-    log.info("kpx healthz %s starting (state %s)", args.hostname_override, args.state)
-    watcher = asyncio.create_task(source.run(), name="state-source")
+    log.info("kpx healthz %s starting (state from %s)", args.hostname_override,
+             args.state or "the Kubernetes API")
+    watcher = await start_source(source, args.sync_period)
     stopper = asyncio.create_task(stop.wait(), name="stop-signal")
     await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from proxy import metrics
+from proxy.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.model import Snapshot
 from proxy.source import StateFileSource
 from proxy.state import ProxyHealth, StateHub
@@ -58,8 +59,17 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="this node's name: endpoints with this nodeName are local (default: hostname)",
     )
     parser.add_argument(
-        "--state", type=Path, required=True,
-        help="YAML file of v1 Node, v1 Service and discovery.k8s.io/v1 EndpointSlice objects",
+        "--state", type=Path, default=None,
+        help="YAML file of v1 Node, v1 Service and discovery.k8s.io/v1 EndpointSlice objects"
+        " (default: watch them in the Kubernetes API)",
+    )
+    parser.add_argument(
+        "--kubeconfig", type=Path, default=None, metavar="PATH",
+        help="kubeconfig for the API server (default: the in-cluster service account)",
+    )
+    parser.add_argument(
+        "--master", default=None, metavar="URL",
+        help="API server address; overrides the kubeconfig's server",
     )
     parser.add_argument(
         "--nodeport-addresses", type=parse_cidrs, default=[], metavar="CIDR,...",
@@ -108,6 +118,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | KubeAPISource:
+    """The state file if one is named, else the Kubernetes API (as kube-proxy reads it)."""
+    if args.state is not None:
+        if args.kubeconfig is not None or args.master is not None:
+            raise KubeConfigError("--state excludes --kubeconfig and --master")
+        return StateFileSource(args.state, hub)
+    return KubeAPISource(
+        KubeConfig.load(args.kubeconfig, args.master), hub, args.hostname_override
+    )
+
+
+async def start_source(
+    source: StateFileSource | KubeAPISource, timeout: float
+) -> asyncio.Task[None]:
+    """Start following the source, with the first state applied when this returns.
+
+    Applying first means a node whose healthz answers already has its NodePorts
+    listening (bounded by ``timeout`` for the API, which may be unreachable).
+    """
+    if isinstance(source, StateFileSource):
+        source.load()
+    task = asyncio.create_task(source.run(), name="state-source")
+    if isinstance(source, KubeAPISource):
+        await source.wait_synced(timeout=timeout)
+    return task
+
+
 def timed_reader(reader: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
     """Wrap the dataplane's apply with kube-proxy's sync metrics."""
 
@@ -127,6 +164,12 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
+    # Bad flags or credentials fail here, before anything touches the namespace.
+    try:
+        source = make_source(args, hub)
+    except KubeConfigError as e:
+        log.error("%s", e)
+        return 2
     workers = max(1, args.workers)
     worker_index = getattr(args, "worker_index", 0)
     dataplane = Dataplane(
@@ -143,10 +186,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     hub.subscribe(timed_reader(dataplane.apply))
 
-    # Apply the first state before healthz opens, so that a node answering
-    # /healthz is a node whose NodePorts are already listening.
-    source = StateFileSource(args.state, hub)
-    source.load()
+    watcher = await start_source(source, args.sync_period)
 
     sidecar = None
     if not args.no_healthz and worker_index == 0:
@@ -166,8 +206,8 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, source.reload)
 
-    log.info("kpx node %s starting (state %s)", args.hostname_override, args.state)
-    watcher = asyncio.create_task(source.run(), name="state-source")
+    log.info("kpx node %s running (state from %s)", args.hostname_override,
+             args.state or "the Kubernetes API")
     stopper = asyncio.create_task(stop.wait(), name="stop-signal")
     await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if watcher.done() and watcher.exception() is not None:
@@ -210,6 +250,12 @@ def run(args: argparse.Namespace) -> int:
     raise_nofile_limit()
     if args.workers > 1:
         from proxy.workers import supervise
+
+        try:  # fail on bad flags before the supervisor installs any routing
+            make_source(args, StateHub())
+        except KubeConfigError as e:
+            log.error("%s", e)
+            return 2
 
         return supervise(args, run_worker)
     return run_worker(args)

@@ -1,0 +1,1011 @@
+"""The Kubernetes API source: list and watch, cache, parse, publish good snapshots.
+
+Owns: reaching the API server (``KubeConfig``: in-cluster, a kubeconfig file
+or ``--master``, resolved the way kube-proxy resolves them), one list+watch
+per kind kube-proxy watches, an in-memory cache of the raw objects, and
+turning that cache into ``Snapshot``s on a ``StateHub`` through
+``proxy.k8s.parse_objects``: the very checks a state file goes through.
+
+Never: write to the API server, apply anything itself, publish a state that
+failed to parse, or let an API failure end the process. A refused state is
+logged problem by problem and the last good state stays in force; a failed
+request is retried with backoff and the last good state stays in force.
+
+Theory of operation (client-go's reflector, cut down to what kpx needs):
+
+- What is watched is what kube-proxy's informers watch: v1 Nodes with
+  ``fieldSelector=metadata.name=<node>`` (only this node's addresses and
+  labels matter), and v1 Services and discovery.k8s.io/v1 EndpointSlices
+  with one label selector, ``!service.kubernetes.io/headless,
+  !service.kubernetes.io/service-proxy-name``. kube-proxy builds both from one
+  informer factory, and ``labels.Selector.String()`` sorts requirements by
+  key, hence that exact string for both kinds.
+- Each kind is listed (paginated), which yields the whole set and a
+  resourceVersion, then watched from that resourceVersion. The list asks
+  for resourceVersion ``0`` first (the API server's watch cache: cheap for
+  it), the last one seen when a list is retried, and ``""`` (a quorum read)
+  after 410 Gone: client-go's ``relistResourceVersion``.
+- 410 Gone, as an HTTP status or as an ERROR event, means the server has
+  compacted past our resourceVersion: events were lost, and only a re-list
+  can tell which objects were deleted meanwhile. A watch that times out or
+  drops resumes from the last resourceVersion seen (an event's, or a
+  BOOKMARK's), so nothing is lost and nothing is re-listed.
+- Failures back off as client-go's reflector does: 0.8 s doubling to 30 s,
+  plus up to 100% jitter (so a restarted API server is not hit by every
+  node at once), forgotten after 2 minutes without a failure. A watch that
+  ends at once without a single event counts as a failure, or a proxy that
+  cuts streams would make a hot loop.
+- No state is built until all three kinds are listed, as kube-proxy waits
+  for its informers to sync: a state with the Services but not yet their
+  slices would close every NodePort it has.
+- Changes are batched: the first one arms a timer (``min_sync_period``, this
+  source's minSyncPeriod), later ones ride along. A sync never starts
+  sooner than the last one took, so an event storm on 10,000 services costs
+  at most about half a CPU instead of all of it.
+- The build (``parse_objects``) runs in a worker thread: at 10,000 services
+  it takes about a second, which on the event loop would stall every
+  relayed connection. Cached objects are never mutated once cached, so the
+  thread reads them without a lock.
+- Objects equal to those of the last published snapshot are handed on as
+  the very same objects, so readers reuse their plans by identity as they
+  do with the file source, and a batch that changed nothing kpx reads (a
+  Node heartbeat, a Service's status) publishes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import os
+import random
+import ssl
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter, is_
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import yaml
+
+from proxy import metrics
+from proxy.k8s import HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL, StateError, parse_objects
+from proxy.model import Snapshot
+from proxy.state import StateHub
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+"""Where the kubelet mounts a pod's service-account token and the cluster CA."""
+
+TOKEN_REFRESH_SECONDS = 60.0
+"""Bound service-account tokens rotate (about hourly); client-go re-reads the
+token file once a minute, so kpx does too."""
+
+PROXY_LABEL_SELECTOR = f"!{HEADLESS_LABEL},!{SERVICE_PROXY_NAME_LABEL}"
+"""kube-proxy's informer selector for Services and EndpointSlices, byte for byte."""
+
+MIN_SYNC_PERIOD = 0.02
+"""How long the first change of a batch waits for the rest of it."""
+
+PAGE_SIZE = 500
+"""client-go's reflector page size: big lists arrive in pieces, not one response."""
+
+WATCH_TIMEOUT_SECONDS = (300, 600)
+"""Each watch asks the server to end it after a random 5-10 min (client-go's
+range), which spreads the re-watches of many nodes over time."""
+
+WATCH_READ_SLACK = 30.0
+"""A watch silent this long past its own timeout is a dead connection."""
+
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
+"""For lists: no total limit (a large list on a slow link is fine), but a
+server that stops sending for a minute is given up on."""
+
+MAX_EVENT_BYTES = 16 << 20
+"""One watch event may not be larger: etcd stores objects up to 1.5 MiB."""
+
+SHORT_WATCH_SECONDS = 1.0
+"""A watch that ends sooner than this without events is treated as a failure."""
+
+
+class KubeConfigError(Exception):
+    """The API server cannot be reached as configured; raised at startup only."""
+
+
+class APIError(Exception):
+    """The API server answered with a failure (an HTTP status or an ERROR event)."""
+
+    def __init__(self, code: int, reason: str = "", message: str = "") -> None:
+        self.code = code
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{code} {reason}: {message}" if reason or message else str(code))
+
+    @property
+    def expired(self) -> bool:
+        """Our resourceVersion is unusable: only a fresh (quorum) list recovers.
+
+        410 is compaction (or an expired ``continue`` token); 504 "Too large
+        resource version" is a lagging API server behind a load balancer
+        (client-go's ``isTooLargeResourceVersionError``).
+        """
+        return self.code == 410 or (
+            self.code == 504 and "too large resource version" in self.message.lower()
+        )
+
+    @classmethod
+    def from_status(cls, status: object, default_code: int) -> APIError:
+        """From a ``kind: Status`` object, whatever shape it is in."""
+        if type(status) is not dict:
+            return cls(default_code, "", "no Status object")
+        code = status.get("code")
+        reason = status.get("reason")
+        message = status.get("message")
+        return cls(
+            code if type(code) is int else default_code,
+            reason if type(reason) is str else "",
+            message if type(message) is str else "",
+        )
+
+
+class _StreamError(Exception):
+    """A response kpx cannot read: undecodable, oversized, or cut short."""
+
+
+# -- reaching the API server -------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class KubeConfig:
+    """Where the API server is and how kpx proves who it is.
+
+    The secrets (``token``, client key) are left out of ``repr``, so a config
+    can be logged. A ``token_file`` is re-read every minute, as client-go
+    does, because service-account tokens rotate.
+    """
+
+    server: str
+    origin: str = ""
+    """How the config was found, for logs: ``in-cluster``, ``kubeconfig PATH (context C)``."""
+    ca_file: Path | None = None
+    ca_data: bytes | None = field(default=None, repr=False)
+    client_cert_file: Path | None = None
+    client_cert_data: bytes | None = field(default=None, repr=False)
+    client_key_file: Path | None = None
+    client_key_data: bytes | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    token_file: Path | None = None
+    insecure_skip_tls_verify: bool = False
+    tls_server_name: str | None = None
+    _file_token: str | None = field(default=None, init=False, repr=False)
+    _file_token_read: float | None = field(default=None, init=False, repr=False)
+
+    # -- finding it --------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        kubeconfig: str | Path | None = None,
+        master: str | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        secret_dir: Path = SERVICE_ACCOUNT_DIR,
+    ) -> KubeConfig:
+        """kube-proxy's rule: neither flag means in-cluster; else the kubeconfig,
+        with ``--master`` overriding its server (or standing alone, unauthenticated)."""
+        if kubeconfig:
+            return cls.from_kubeconfig(kubeconfig, master=master)
+        if master:
+            return cls(server=_server_url(master), origin="--master")
+        log.info("neither --kubeconfig nor --master given: using the in-cluster config")
+        return cls.in_cluster(env=env, secret_dir=secret_dir)
+
+    @classmethod
+    def in_cluster(
+        cls, env: Mapping[str, str] | None = None, secret_dir: Path = SERVICE_ACCOUNT_DIR
+    ) -> KubeConfig:
+        """client-go's ``InClusterConfig``: the service env vars and the mounted secret."""
+        env = os.environ if env is None else env
+        host = env.get("KUBERNETES_SERVICE_HOST", "")
+        port = env.get("KUBERNETES_SERVICE_PORT", "")
+        if not host or not port:
+            raise KubeConfigError(
+                "not running in a pod (KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT "
+                "are not both set); pass --kubeconfig or --master"
+            )
+        token_file = secret_dir / "token"
+        try:
+            token = token_file.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise KubeConfigError(f"in-cluster token {token_file}: {e.strerror or e}") from e
+        if not token:
+            raise KubeConfigError(f"in-cluster token {token_file} is empty")
+        ca = secret_dir / "ca.crt"
+        ca_file = ca if ca.is_file() else None
+        if ca_file is None:
+            # client-go logs and carries on with the system roots; so does kpx.
+            log.warning("in-cluster CA %s is missing; trusting the system roots", ca)
+        host = f"[{host}]" if ":" in host else host
+        config = cls(
+            server=f"https://{host}:{port}",
+            origin=f"in-cluster, token from {token_file}",
+            ca_file=ca_file,
+            token=token,
+            token_file=token_file,
+        )
+        config._file_token, config._file_token_read = token, time.monotonic()
+        return config
+
+    @classmethod
+    def from_kubeconfig(
+        cls, path: str | Path, master: str | None = None, context: str | None = None
+    ) -> KubeConfig:
+        """The current context (or ``context``) of a kubeconfig file.
+
+        Relative file paths count from the kubeconfig's directory, as in
+        client-go. ``master`` replaces the cluster's server and, like a
+        ``--server`` override in client-go, drops its ``tls-server-name``,
+        which named the server being replaced.
+        """
+        path = Path(path)
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise KubeConfigError(f"kubeconfig {path}: {e.strerror or e}") from e
+        except yaml.YAMLError as e:
+            raise KubeConfigError(f"kubeconfig {path}: not YAML: {e}") from e
+        if type(doc) is not dict:
+            raise KubeConfigError(f"kubeconfig {path}: expected a mapping")
+        name = context or doc.get("current-context")
+        cluster: dict[str, Any] = {}
+        user: dict[str, Any] = {}
+        user_name = ""
+        if name:
+            ctx = _named(doc, "contexts", name, "context", path)
+            cluster = _named(doc, "clusters", ctx.get("cluster"), "cluster", path)
+            user_name = ctx.get("user") or ""
+            if user_name:
+                user = _named(doc, "users", user_name, "user", path)
+        elif not master:
+            raise KubeConfigError(f"kubeconfig {path}: no current-context")
+
+        server = master or cluster.get("server")
+        if not server or type(server) is not str:
+            raise KubeConfigError(
+                f"kubeconfig {path}: cluster {_context_cluster(doc, name)}: no server"
+            )
+        base = path.parent
+        where = f"kubeconfig {path}"
+        config = cls(
+            server=_server_url(server),
+            origin=f"{where} (context {name})" if name else f"{where}, --master",
+            ca_file=_path(cluster, "certificate-authority", base),
+            ca_data=_data(cluster, "certificate-authority-data", where),
+            client_cert_file=_path(user, "client-certificate", base),
+            client_cert_data=_data(user, "client-certificate-data", where),
+            client_key_file=_path(user, "client-key", base),
+            client_key_data=_data(user, "client-key-data", where),
+            token=user.get("token") or None,
+            token_file=_path(user, "tokenFile", base),
+            insecure_skip_tls_verify=cluster.get("insecure-skip-tls-verify") is True,
+            tls_server_name=None if master else cluster.get("tls-server-name") or None,
+        )
+        if config.insecure_skip_tls_verify and (config.ca_file or config.ca_data):
+            # client-go refuses this too: which of the two did the author mean?
+            raise KubeConfigError(
+                f"{where}: certificate-authority and insecure-skip-tls-verify are exclusive"
+            )
+        has_cert = (config.client_cert_file or config.client_cert_data) is not None
+        has_key = (config.client_key_file or config.client_key_data) is not None
+        if has_cert != has_key:
+            raise KubeConfigError(
+                f"{where}: user {user_name}: a client certificate and its key come together"
+            )
+        if ("exec" in user or "auth-provider" in user) and not (
+            config.token or config.token_file or has_cert
+        ):
+            raise KubeConfigError(
+                f"{where}: user {user_name} authenticates with an exec or auth-provider "
+                "plugin, which kpx does not run; give it a token or a client certificate"
+            )
+        if "username" in user or "password" in user:
+            raise KubeConfigError(
+                f"{where}: user {user_name}: basic auth was removed from Kubernetes in 1.19"
+            )
+        if cluster.get("proxy-url"):
+            log.warning("%s: proxy-url is not supported; connecting directly", where)
+        return config
+
+    # -- using it ----------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return f"{self.server} ({self.origin})" if self.origin else self.server
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS settings for an ``https`` server; None for plain ``http``.
+
+        A CA, when given, is the only trust root (as in client-go); without
+        one the system roots apply. Client certificate data is written to a
+        private temporary directory only for as long as OpenSSL takes to
+        read it: ``load_cert_chain`` accepts nothing but file names.
+        """
+        if not self.server.startswith("https://"):
+            return None
+        try:
+            ctx = ssl.create_default_context(
+                cafile=None if self.ca_file is None else str(self.ca_file),
+                cadata=None if self.ca_data is None else self.ca_data.decode("ascii", "replace"),
+            )
+        except (OSError, ssl.SSLError) as e:
+            raise KubeConfigError(f"certificate authority ({self.origin}): {e}") from e
+        if self.insecure_skip_tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        if (self.client_cert_file or self.client_cert_data) is not None:
+            try:
+                with tempfile.TemporaryDirectory(prefix="kpx-tls-") as tmp:
+                    cert = _materialize(self.client_cert_file, self.client_cert_data, tmp, "crt")
+                    key = _materialize(self.client_key_file, self.client_key_data, tmp, "key")
+                    ctx.load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as e:
+                raise KubeConfigError(f"client certificate ({self.origin}): {e}") from e
+        return ctx
+
+    def authorization(self, now: float | None = None) -> str | None:
+        """The ``Authorization`` header value, re-reading ``token_file`` when stale.
+
+        The last token read successfully wins over ``token``, as in
+        client-go; an unreadable file keeps the token already in hand.
+        """
+        token = self.token
+        if self.token_file is not None:
+            now = time.monotonic() if now is None else now
+            read_at = self._file_token_read
+            if read_at is None or now - read_at >= TOKEN_REFRESH_SECONDS:
+                try:
+                    fresh = self.token_file.read_text(encoding="utf-8").strip()
+                except OSError as e:
+                    log.warning("cannot re-read token file %s: %s", self.token_file, e)
+                else:
+                    self._file_token = fresh or self._file_token
+                self._file_token_read = now
+            token = self._file_token or token
+        return f"Bearer {token}" if token else None
+
+    def forget_token(self) -> None:
+        """After a 401: the token file may hold a rotated token already."""
+        self._file_token_read = None
+
+
+def _server_url(server: str) -> str:
+    """``host:port`` as ``--master`` may give it means https, as in client-go."""
+    server = server.rstrip("/")
+    return server if "://" in server else f"https://{server}"
+
+
+def _context_cluster(doc: dict[str, Any], context: str | None) -> str:
+    """The cluster a context names, for error messages."""
+    for entry in doc.get("contexts") or ():
+        if type(entry) is dict and entry.get("name") == context:
+            ctx = entry.get("context")
+            if type(ctx) is dict:
+                return str(ctx.get("cluster"))
+    return "?"
+
+
+def _named(
+    doc: dict[str, Any], section: str, name: object, field_name: str, path: Path
+) -> dict[str, Any]:
+    """``doc[section][i][field_name]`` for the entry called ``name``."""
+    for entry in doc.get(section) or ():
+        if type(entry) is dict and entry.get("name") == name:
+            value = entry.get(field_name) or {}
+            if type(value) is not dict:
+                raise KubeConfigError(f"kubeconfig {path}: {section} {name}: not a mapping")
+            return value
+    raise KubeConfigError(f"kubeconfig {path}: no {field_name} named {name!r} in {section}")
+
+
+def _path(section: dict[str, Any], key: str, base: Path) -> Path | None:
+    value = section.get(key)
+    if not value or type(value) is not str:
+        return None
+    return base / Path(value).expanduser()
+
+
+def _data(section: dict[str, Any], key: str, where: str) -> bytes | None:
+    value = section.get(key)
+    if not value:
+        return None
+    try:
+        return base64.b64decode(str(value), validate=False)
+    except (binascii.Error, ValueError) as e:
+        raise KubeConfigError(f"{where}: {key}: not base64 ({e})") from e
+
+
+def _materialize(file: Path | None, data: bytes | None, tmp: str, suffix: str) -> str:
+    if data is None:
+        assert file is not None
+        return str(file)
+    target = os.path.join(tmp, f"client.{suffix}")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return target
+
+
+# -- watching ----------------------------------------------------------------------------
+
+
+class _Backoff:
+    """client-go's reflector backoff: doubling to ``cap``, plus up to 100% jitter,
+    forgotten after ``reset_after`` seconds without a failure. Never more than 2 x cap."""
+
+    def __init__(
+        self,
+        initial: float,
+        cap: float,
+        reset_after: float = 120.0,
+        rng: Callable[[], float] = random.random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.initial = initial
+        self.cap = cap
+        self.reset_after = reset_after
+        self._rng = rng
+        self._clock = clock
+        self._attempt = 0
+        self._last: float | None = None
+
+    def next(self) -> float:
+        now = self._clock()
+        if self._last is not None and now - self._last > self.reset_after:
+            self._attempt = 0
+        self._last = now
+        base = min(self.cap, self.initial * 2**self._attempt)
+        if base < self.cap:
+            self._attempt += 1
+        return base * (1.0 + self._rng())
+
+
+@dataclass(eq=False)
+class _Kind:
+    """One reflector's worth of state: what to ask for and what came back."""
+
+    kind: str
+    api_version: str
+    path: str
+    namespaced: bool
+    selectors: dict[str, str]
+    objects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """``ns/name`` (or ``name``) -> the object as decoded; replaced, never mutated."""
+    resource_version: str = ""
+    """The newest resourceVersion seen: where the next watch starts."""
+    list_from: str | None = "0"
+    """None while list+watch is current; else the resourceVersion the next list asks for."""
+    synced: bool = False
+    """Listed at least once."""
+    expiries: int = 0
+    """Watches expired since the last event: the first re-lists at once, the rest back off."""
+
+    @property
+    def plural(self) -> str:
+        return self.path.rsplit("/", 1)[1]
+
+
+async def _lines(stream: aiohttp.StreamReader, limit: int) -> AsyncIterator[bytes]:
+    """The newline-separated events of a watch stream, however long each one is.
+
+    aiohttp's own ``readline`` refuses lines over 128 KiB, and one
+    EndpointSlice with a thousand endpoints is bigger than that.
+    """
+    pending = bytearray()
+    async for chunk in stream.iter_any():
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if pending:
+                pending += chunk[start:end]
+                yield bytes(pending)
+                pending.clear()
+            else:
+                yield chunk[start:end]
+            start = end + 1
+        pending += chunk[start:]
+        if len(pending) > limit:
+            raise _StreamError(f"a watch event is larger than {limit} bytes")
+    if pending.strip():
+        yield bytes(pending)
+
+
+class KubeAPISource:
+    """Feeds a ``StateHub`` from the Kubernetes API, live.
+
+    ``run`` until ``stop``; ``reload`` re-lists everything (SIGHUP);
+    ``wait_synced`` lets a caller hold back until the first state is in.
+    """
+
+    def __init__(
+        self,
+        config: KubeConfig,
+        hub: StateHub,
+        node_name: str,
+        *,
+        min_sync_period: float = MIN_SYNC_PERIOD,
+        backoff_initial: float = 0.8,
+        backoff_max: float = 30.0,
+        watch_timeout: tuple[int, int] = WATCH_TIMEOUT_SECONDS,
+        page_size: int = PAGE_SIZE,
+    ) -> None:
+        self.config = config
+        self.hub = hub
+        self.node_name = node_name
+        self.min_sync_period = min_sync_period
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.watch_timeout = watch_timeout
+        self.page_size = page_size
+        self.generation = 0
+        self._ssl = config.ssl_context()  # Fails here, at startup, not in a retry loop.
+        self._kinds = (
+            _Kind(
+                "Node",
+                "v1",
+                "/api/v1/nodes",
+                False,
+                {"fieldSelector": f"metadata.name={node_name}"},
+            ),
+            _Kind(
+                "Service", "v1", "/api/v1/services", True, {"labelSelector": PROXY_LABEL_SELECTOR}
+            ),
+            _Kind(
+                "EndpointSlice",
+                "discovery.k8s.io/v1",
+                "/apis/discovery.k8s.io/v1/endpointslices",
+                True,
+                {"labelSelector": PROXY_LABEL_SELECTOR},
+            ),
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopped = asyncio.Event()
+        self._first = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._build: asyncio.Task[None] | None = None
+        self._dirty = False
+        self._force = False
+        self._last_build_seconds = 0.0
+        self._published: Snapshot | None = None
+        self._refused: tuple[str, ...] | None = None
+        """The problems of the last refused state, so that each set is logged once."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """List and watch until ``stop``; API failures are retried, never raised."""
+        log.info("Kubernetes API source: %s, node %s", self.config.describe(), self.node_name)
+        connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True)
+        headers = {"Accept": "application/json", "User-Agent": f"kpx (node {self.node_name})"}
+        async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+            self._session = session
+            for kind in self._kinds:
+                self._start(kind)
+            try:
+                await self._stopped.wait()
+            finally:
+                self._session = None
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                pending = [*self._tasks.values(), *([self._build] if self._build else [])]
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                self._tasks.clear()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def reload(self) -> None:
+        """SIGHUP: re-list every kind from scratch and publish even if nothing changed."""
+        log.info("re-listing nodes, services and endpoint slices on request")
+        self._force = True
+        if self._session is None:
+            return
+        for kind in self._kinds:
+            kind.list_from = ""
+            self._tasks[kind.kind].cancel()
+            self._start(kind)
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        """Wait for the first good state to be published; False after ``timeout``."""
+        try:
+            await asyncio.wait_for(self._first.wait(), timeout)
+        except TimeoutError:
+            unlisted = [k.plural for k in self._kinds if not k.synced]
+            log.warning(
+                "no state from %s after %.0fs (%s); starting anyway",
+                self.config.server,
+                timeout,
+                f"not listed yet: {', '.join(unlisted)}" if unlisted else "the state was refused",
+            )
+            return False
+        return True
+
+    def _start(self, kind: _Kind) -> None:
+        self._tasks[kind.kind] = asyncio.create_task(
+            self._reflect(kind), name=f"kubeapi-{kind.plural}"
+        )
+
+    # -- one reflector per kind -----------------------------------------------------------
+
+    async def _reflect(self, kind: _Kind) -> None:
+        """List when needed, watch, and start over after anything short of ``stop``."""
+        backoff = _Backoff(self.backoff_initial, self.backoff_max)
+        while True:
+            listing = kind.list_from is not None
+            try:
+                if listing:
+                    await self._list(kind)
+                    listing = False
+                await self._watch(kind)
+                continue
+            except APIError as err:
+                if err.expired:
+                    kind.list_from = ""
+                    if not listing:
+                        log.info(
+                            "watch of %s expired at resourceVersion %s (%s); re-listing",
+                            kind.plural,
+                            kind.resource_version,
+                            err,
+                        )
+                        kind.expiries += 1
+                        if kind.expiries == 1:
+                            continue  # At once the first time; a server that insists waits.
+                if err.code == 401:
+                    self.config.forget_token()
+                delay = backoff.next()
+                # 401/403 need a person (RBAC, a revoked token); the rest usually heal.
+                level = logging.ERROR if err.code in (401, 403) else logging.WARNING
+                log.log(
+                    level,
+                    "%s of %s failed: %s; retrying in %.1fs",
+                    "list" if listing else "watch",
+                    kind.plural,
+                    err,
+                    delay,
+                )
+            except (aiohttp.ClientError, TimeoutError, _StreamError) as err:
+                delay = backoff.next()
+                log.warning(
+                    "%s of %s failed: %s; retrying in %.1fs from resourceVersion %s",
+                    "list" if listing else "watch",
+                    kind.plural,
+                    f"{type(err).__name__}: {err}" if str(err) else type(err).__name__,
+                    delay,
+                    kind.list_from if listing else kind.resource_version,
+                )
+            except Exception:
+                delay = backoff.next()
+                log.exception(
+                    "unexpected error in the %s of %s; retrying in %.1fs",
+                    "list" if listing else "watch",
+                    kind.plural,
+                    delay,
+                )
+            await asyncio.sleep(delay)
+
+    async def _list(self, kind: _Kind) -> None:
+        """A full, paginated list; replaces the cache of this kind only once complete."""
+        assert kind.list_from is not None
+        objects: dict[str, dict[str, Any]] = {}
+        token: str | None = None
+        pages = skipped = 0
+        while True:
+            params = {**kind.selectors, "limit": str(self.page_size)}
+            if token:
+                params["continue"] = token  # The token pins the resourceVersion.
+            elif kind.list_from:
+                params["resourceVersion"] = kind.list_from
+            body = await self._get_json(kind.path, params)
+            items = body.get("items") or []
+            if type(items) is not list:
+                raise _StreamError(f"{kind.plural} list: items is not a list")
+            for raw in items:
+                entry = self._prepare(kind, raw)
+                if entry is None:
+                    skipped += 1
+                else:
+                    objects[entry[0]] = entry[1]
+            meta = body.get("metadata")
+            meta = meta if type(meta) is dict else {}
+            pages += 1
+            token = meta.get("continue") or None
+            if token is None:
+                break
+        version = meta.get("resourceVersion")
+        if type(version) is not str or not version:
+            raise _StreamError(f"{kind.plural} list has no metadata.resourceVersion")
+        kind.objects = objects
+        kind.resource_version = version
+        kind.list_from = None
+        log.info(
+            "listed %d %s at resourceVersion %s%s%s",
+            len(objects),
+            kind.plural,
+            version,
+            f" ({pages} pages)" if pages > 1 else "",
+            f"; {skipped} without metadata.name ignored" if skipped else "",
+        )
+        if kind.kind == "Node" and not objects:
+            log.warning(
+                "node %r does not exist in the API; its addresses stay unknown until it does "
+                "(is --hostname-override right?)",
+                self.node_name,
+            )
+        kind.synced = True
+        self._changed()
+
+    async def _watch(self, kind: _Kind) -> None:
+        """Follow one watch until the server ends it; raises on anything abnormal."""
+        assert self._session is not None
+        seconds = random.randint(*self.watch_timeout)
+        params = {
+            **kind.selectors,
+            "watch": "1",
+            "resourceVersion": kind.resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(seconds),
+        }
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=10, sock_read=seconds + WATCH_READ_SLACK
+        )
+        log.debug("watching %s from resourceVersion %s", kind.plural, kind.resource_version)
+        started = time.monotonic()
+        events = 0
+        async with self._session.get(
+            self._url(kind.path),
+            params=params,
+            headers=self._headers(),
+            timeout=timeout,
+            **self._tls(),
+        ) as resp:
+            await self._check(resp)
+            async for line in _lines(resp.content, MAX_EVENT_BYTES):
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError as e:
+                    raise _StreamError(f"undecodable watch event: {e}") from e
+                events += 1
+                self._apply(kind, event)
+        elapsed = time.monotonic() - started
+        if events == 0 and elapsed < SHORT_WATCH_SECONDS:
+            raise _StreamError("the watch closed at once without a single event")
+        log.debug(
+            "watch of %s ended after %.0fs and %d events; resuming at resourceVersion %s",
+            kind.plural,
+            elapsed,
+            events,
+            kind.resource_version,
+        )
+
+    def _apply(self, kind: _Kind, event: object) -> None:
+        """One watch event into the cache (or an APIError out of an ERROR event)."""
+        if type(event) is not dict:
+            raise _StreamError(f"a watch event of {kind.plural} is not a JSON object")
+        what = event.get("type")
+        obj = event.get("object")
+        if what == "ERROR":
+            raise APIError.from_status(obj, 500)
+        meta = obj.get("metadata") if type(obj) is dict else None
+        version = meta.get("resourceVersion") if type(meta) is dict else None
+        kind.expiries = 0
+        if what in ("ADDED", "MODIFIED", "DELETED"):
+            entry = self._prepare(kind, obj)
+            if entry is None:
+                log.warning("%s %s event without metadata.name ignored", kind.kind, what)
+            else:
+                key, value = entry
+                if what == "DELETED":
+                    kind.objects.pop(key, None)
+                else:
+                    kind.objects[key] = value
+                log.debug("%s %s %s", what, kind.kind, key)
+                self._changed()
+        elif what != "BOOKMARK":
+            log.warning("unknown watch event type %r for %s ignored", what, kind.plural)
+            return
+        if type(version) is str and version:
+            kind.resource_version = version
+
+    @staticmethod
+    def _prepare(kind: _Kind, raw: object) -> tuple[str, dict[str, Any]] | None:
+        """Key an object and make it a document ``parse_objects`` accepts.
+
+        List items carry no ``kind``/``apiVersion``; the path they came from
+        says what they are. ``managedFields`` is dropped as kube-proxy's
+        informers drop it: it is often half of an object, and kpx never
+        reads it.
+        """
+        if type(raw) is not dict:
+            return None
+        meta = raw.get("metadata")
+        if type(meta) is not dict:
+            return None
+        name = meta.get("name")
+        if type(name) is not str or not name:
+            return None
+        meta.pop("managedFields", None)
+        raw["kind"] = kind.kind
+        raw["apiVersion"] = kind.api_version
+        if kind.namespaced:
+            namespace = meta.get("namespace")
+            return f"{namespace if type(namespace) is str else ''}/{name}", raw
+        return name, raw
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def _url(self, path: str) -> str:
+        return self.config.server + path
+
+    def _headers(self) -> dict[str, str]:
+        auth = self.config.authorization()
+        return {"Authorization": auth} if auth else {}
+
+    def _tls(self) -> dict[str, Any]:
+        name = self.config.tls_server_name
+        return {"server_hostname": name} if name and self._ssl is not None else {}
+
+    async def _get_json(self, path: str, params: dict[str, str]) -> dict[str, Any]:
+        assert self._session is not None
+        async with self._session.get(
+            self._url(path),
+            params=params,
+            headers=self._headers(),
+            timeout=REQUEST_TIMEOUT,
+            **self._tls(),
+        ) as resp:
+            await self._check(resp)
+            body = await resp.read()
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise _StreamError(f"undecodable response from {path}: {e}") from e
+        if type(data) is not dict:
+            raise _StreamError(f"the response from {path} is not a JSON object")
+        return data
+
+    @staticmethod
+    async def _check(resp: aiohttp.ClientResponse) -> None:
+        """Anything but 200 becomes an APIError carrying the server's own Status."""
+        if resp.status == 200:
+            return
+        body = await resp.read()
+        try:
+            status = json.loads(body)
+        except ValueError:
+            text = body[:200].decode("utf-8", "replace").strip()
+            raise APIError(resp.status, resp.reason or "", text) from None
+        raise APIError.from_status(status, resp.status)
+
+    # -- cache -> snapshot ----------------------------------------------------------------
+
+    def _changed(self) -> None:
+        """Something in the cache changed: make sure a sync is on its way."""
+        self._dirty = True
+        if self._timer is not None or self._build is not None or self._stopped.is_set():
+            return
+        if not all(kind.synced for kind in self._kinds):
+            return
+        delay = max(self.min_sync_period, self._last_build_seconds)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._start_sync)
+
+    def _start_sync(self) -> None:
+        self._timer = None
+        self._build = asyncio.create_task(self._sync(), name="kubeapi-sync")
+
+    async def _sync(self) -> None:
+        """Parse the whole cache (in a thread) and publish it if good and different."""
+        self._dirty = False
+        documents = [obj for kind in self._kinds for obj in kind.objects.values()]
+        started = time.perf_counter()
+        try:
+            snapshot, changed = await asyncio.to_thread(
+                _build, documents, self.generation + 1, self._published
+            )
+        except StateError as err:
+            self._refuse(err)
+        except Exception:
+            log.exception("building a state from the API failed; the last good state stays")
+        else:
+            self._publish(snapshot, changed)
+        finally:
+            self._last_build_seconds = time.perf_counter() - started
+            self._build = None
+            if self._dirty:
+                self._changed()
+
+    def _refuse(self, err: StateError) -> None:
+        problems = tuple(err.problems)
+        if problems == self._refused:
+            log.debug("the API state is still refused (%d problems)", len(problems))
+            return
+        self._refused = problems
+        metrics.STATE_RELOAD_ERRORS.inc()
+        log.error(
+            "state from %s refused (%d problem%s); the last good state stays in force:\n  %s",
+            self.config.server,
+            len(problems),
+            "" if len(problems) == 1 else "s",
+            "\n  ".join(problems),
+        )
+
+    def _publish(self, snapshot: Snapshot, changed: bool) -> None:
+        if self._stopped.is_set():
+            return
+        if self._refused is not None:
+            log.info("the state from %s is good again", self.config.server)
+            self._refused = None
+        if not changed and not self._force:
+            log.debug("API changes leave the state as it was; nothing to publish")
+            return
+        self._force = False
+        self.generation = snapshot.generation
+        self._published = snapshot
+        metrics.SYNC_LAST_QUEUED_TIMESTAMP.set_to_current_time()
+        log.info(
+            "API state: generation %d (%d nodes, %d services, %d endpoint slices)",
+            snapshot.generation,
+            len(snapshot.nodes),
+            len(snapshot.services),
+            len(snapshot.slices),
+        )
+        self.hub.publish(snapshot)
+        self._first.set()
+
+
+_T = TypeVar("_T")
+_NODE_KEY: Callable[[Any], str] = attrgetter("name")
+_SERVICE_KEY: Callable[[Any], str] = attrgetter("key")
+
+
+def _slice_key(s: Any) -> str:
+    return f"{s.namespace}/{s.name}"
+
+
+def _reuse(new: Sequence[_T], old: Sequence[_T], key: Callable[[_T], str]) -> tuple[_T, ...]:
+    """``new``, with every item equal to its namesake in ``old`` replaced by that one."""
+    previous = {key(item): item for item in old}
+    return tuple(p if (p := previous.get(key(item))) == item else item for item in new)
+
+
+def _same(a: Sequence[object], b: Sequence[object]) -> bool:
+    return len(a) == len(b) and all(map(is_, a, b))
+
+
+def _build(
+    documents: Iterable[object], generation: int, last: Snapshot | None
+) -> tuple[Snapshot, bool]:
+    """``parse_objects``, then reuse what did not change; True if anything did.
+
+    Runs in a worker thread: it touches nothing but its arguments, and a
+    Snapshot is immutable.
+    """
+    snapshot = parse_objects(documents, generation)
+    if last is None:
+        return snapshot, True
+    nodes = _reuse(snapshot.nodes, last.nodes, _NODE_KEY)
+    services = _reuse(snapshot.services, last.services, _SERVICE_KEY)
+    slices = _reuse(snapshot.slices, last.slices, _slice_key)
+    changed = not (
+        _same(nodes, last.nodes) and _same(services, last.services) and _same(slices, last.slices)
+    )
+    return Snapshot(nodes=nodes, services=services, slices=slices, generation=generation), changed
