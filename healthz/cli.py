@@ -76,9 +76,6 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        log.warning("uvloop missing; using the default asyncio loop")
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+    from proxy.node import run_on_uvloop
+
+    return run_on_uvloop(serve(args))

@@ -21,8 +21,9 @@ import resource
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from proxy import metrics
 from proxy.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
@@ -237,13 +238,18 @@ def raise_nofile_limit() -> None:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
 
 
-def run_worker(args: argparse.Namespace) -> int:
+def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` on uvloop, or on the default loop if uvloop is missing."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a declared dependency
         log.warning("uvloop missing; using the default asyncio loop")
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    return run_on_uvloop(serve(args))
 
 
 def run(args: argparse.Namespace) -> int:
