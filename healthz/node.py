@@ -35,7 +35,7 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client.exposition import choose_encoder
 
 from healthz.http import GoResponse, go_not_found, go_response
-from proxy.decision import build_plans
+from proxy.decision import PlanCache, build_plans
 from proxy.metrics import (
     HEALTHZ_TOTAL,
     LIVEZ_TOTAL,
@@ -173,10 +173,11 @@ class SyncMetrics:
         self._clock = clock
         self._started = clock()
         self._triggers: dict[tuple[str, str], float] = {}
+        self._plans = PlanCache()
 
     def sync(self, snapshot: Snapshot) -> None:
         try:
-            plans = build_plans(snapshot, self.node_name)
+            plans = build_plans(snapshot, self.node_name, cache=self._plans)
             dropping = sum(1 for plan in plans.values() if plan.drop_external)
             NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(dropping)
             NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(0)

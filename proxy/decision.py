@@ -25,10 +25,12 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import is_, is_not
 
 from proxy.balancer import Balancer
 from proxy.endpoints import EndpointInfo, categorize_endpoints, service_port_endpoints
-from proxy.model import Service, ServicePort, Snapshot
+from proxy.model import EndpointSlice, Service, ServicePort, Snapshot
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
@@ -122,16 +124,150 @@ def proxied_services(snapshot: Snapshot) -> Iterable[Service]:
     return (s for s in snapshot.services if s.type in ("NodePort", "LoadBalancer"))
 
 
+_Entry = tuple[Service, tuple[EndpointSlice, ...], tuple[PortPlan, ...]]
+"""A service, the slices its plans were built from, and those plans."""
+
+
+class PlanCache:
+    """Last sync's plans per service, so ``build_plans`` rebuilds only what changed.
+
+    A service's plans are a pure function of the Service, the slices the
+    snapshot holds for it, the node name and ``masquerade_all``. When a
+    service's Service object is the very same one as last time (``is``:
+    ``proxy.k8s.StateParser`` hands out the same immutable objects for every
+    document that did not change) and its slices compare equal (a tuple
+    compare, which tries ``is`` first), its last PortPlans are reused as
+    they are. Reuse is safe because every PortPlan is frozen and holds only
+    immutable values, and it lets a caller diff two tables by identity:
+    ``new[port] is old[port]`` means nothing changed for that port.
+
+    When the services are the very same objects in the same order and only
+    slices changed (an endpoint came, went or changed condition), the
+    changed slices are found by comparing the two snapshots' slice tuples
+    position by position, in C, and only their services are looked at; the
+    table keeps its order because no service or port moved.
+
+    Pure bookkeeping, no I/O. One cache per table being maintained (a
+    dataplane, a healthz sidecar); a different node name or
+    ``masquerade_all`` starts it afresh. ``built`` and ``reused`` count
+    services in the last ``build_plans`` call.
+    """
+
+    __slots__ = (
+        "_entries",
+        "_inputs",
+        "_plans",
+        "_services",
+        "_slices",
+        "_unique_keys",
+        "built",
+        "reused",
+    )
+
+    def __init__(self) -> None:
+        self._reset(None)
+        self.reused = 0
+        self.built = 0
+
+    def _reset(self, inputs: tuple[str, bool] | None) -> None:
+        self._inputs = inputs
+        self._entries: dict[str, _Entry] = {}
+        self._services: tuple[Service, ...] = ()
+        self._slices: tuple[EndpointSlice, ...] = ()
+        self._plans: dict[int, PortPlan] = {}
+        self._unique_keys = False
+
+    def _remember(
+        self, snapshot: Snapshot, plans: dict[int, PortPlan], built: int
+    ) -> dict[int, PortPlan]:
+        """Keep this call's inputs and table; the caller gets a copy it may change."""
+        self._services, self._slices, self._plans = snapshot.services, snapshot.slices, plans
+        self.built = built
+        self.reused = len(self._entries) - built
+        return dict(plans)
+
+    def _slices_changed_for(self, snapshot: Snapshot) -> set[str] | None:
+        """Keys of the services whose slices changed, if nothing else did; else None."""
+        services, slices = snapshot.services, snapshot.slices
+        if (
+            not self._unique_keys  # Then a key does not name one service.
+            or len(services) != len(self._services)
+            or not all(map(is_, services, self._services))
+            or len(slices) != len(self._slices)
+        ):
+            return None
+        keys: set[str] = set()
+        for i in compress(range(len(slices)), map(is_not, slices, self._slices)):
+            keys.add(slices[i].service_key)
+            keys.add(self._slices[i].service_key)
+        return keys
+
+
+def _service_plans(
+    snapshot: Snapshot, node_name: str, service: Service, masquerade_all: bool
+) -> tuple[PortPlan, ...]:
+    return tuple(
+        build_plan(snapshot, node_name, service, port, masquerade_all)
+        for port in service.ports
+        if port.node_port and port.protocol == "TCP"
+    )
+
+
 def build_plans(
-    snapshot: Snapshot, node_name: str, masquerade_all: bool = False
+    snapshot: Snapshot,
+    node_name: str,
+    masquerade_all: bool = False,
+    cache: PlanCache | None = None,
 ) -> dict[int, PortPlan]:
-    """The whole node's decision table, keyed by nodePort (TCP only)."""
+    """The whole node's decision table, keyed by nodePort (TCP only).
+
+    With a ``cache``, services whose inputs did not change since the last
+    call with that cache keep their PortPlan objects (see ``PlanCache``);
+    the table is equal, and in the same order, either way.
+    """
     plans: dict[int, PortPlan] = {}
+    if cache is None:
+        for svc in proxied_services(snapshot):
+            for plan in _service_plans(snapshot, node_name, svc, masquerade_all):
+                plans[plan.port.node_port] = plan
+        return plans
+
+    if cache._inputs != (node_name, masquerade_all):
+        cache._reset((node_name, masquerade_all))
+    last = cache._entries
+    built = 0
+
+    changed = cache._slices_changed_for(snapshot)
+    if changed is not None:
+        plans = dict(cache._plans)
+        for key in changed:
+            svc = snapshot.service(key)
+            entry = last.get(key)
+            if entry is None or svc is None:
+                continue  # Not a proxied service (or its slice's service is gone).
+            slices = snapshot.slices_for(svc)
+            if entry[1] == slices:
+                continue
+            entry = (svc, slices, _service_plans(snapshot, node_name, svc, masquerade_all))
+            last[key] = entry
+            built += 1
+            for plan in entry[2]:
+                plans[plan.port.node_port] = plan
+        return cache._remember(snapshot, plans, built)
+
+    entries: dict[str, _Entry] = {}
     for svc in proxied_services(snapshot):
-        for p in svc.ports:
-            if p.node_port and p.protocol == "TCP":
-                plans[p.node_port] = build_plan(snapshot, node_name, svc, p, masquerade_all)
-    return plans
+        slices = snapshot.slices_for(svc)
+        entry = last.get(svc.key)
+        if entry is None or entry[0] is not svc or entry[1] != slices:
+            entry = (svc, slices, _service_plans(snapshot, node_name, svc, masquerade_all))
+            built += 1
+        entries[svc.key] = entry
+        for plan in entry[2]:
+            plans[plan.port.node_port] = plan
+    cache._entries = entries
+    cache._unique_keys = len({svc.key for svc in snapshot.services}) == len(snapshot.services)
+    return cache._remember(snapshot, plans, built)
 
 
 def is_node_source(client_ip: str, local_addresses: Collection[str]) -> bool:

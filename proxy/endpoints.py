@@ -69,7 +69,7 @@ def _is_serving_terminating(ep: EndpointInfo) -> bool:
 def _filter(
     eps: Iterable[EndpointInfo], pred: Callable[[EndpointInfo], bool]
 ) -> tuple[EndpointInfo, ...]:
-    return tuple(ep for ep in eps if pred(ep))
+    return tuple(filter(pred, eps))
 
 
 def service_port_endpoints(
@@ -87,21 +87,21 @@ def service_port_endpoints(
             if sp.name != port.name or sp.protocol != port.protocol or sp.port == 0:
                 continue
             for ep in sl.endpoints:
-                info = EndpointInfo(
-                    ip=ep.address,
-                    port=sp.port,
-                    node_name=ep.node_name,
-                    is_local=bool(node_name) and ep.node_name == node_name,
-                    ready=ep.ready,
-                    serving=ep.serving,
-                    terminating=ep.terminating,
-                    pod_name=ep.pod_name,
+                key = (ep.address, sp.port)
+                if ep.terminating and key in found:
+                    continue
+                found[key] = EndpointInfo(
+                    ep.address,
+                    sp.port,
+                    ep.node_name,
+                    bool(node_name) and ep.node_name == node_name,
+                    ep.ready,
+                    ep.serving,
+                    ep.terminating,
+                    ep.pod_name,
                 )
-                key = info.addr
-                if key not in found or not info.terminating:
-                    found[key] = info
     # Sorted so that round-robin order does not depend on slice order.
-    return tuple(sorted(found.values(), key=lambda e: (e.ip, e.port)))
+    return tuple(map(found.__getitem__, sorted(found)))
 
 
 def categorize_endpoints(

@@ -43,12 +43,14 @@ Two passes, so that the first one can be cached:
    document only. Nothing in a verdict depends on where the document sits:
    a problem that names a position keeps it relative (``_Located``), and the
    nodePorts an object listens on are recorded as ``_Claim``s, not judged.
-2. *Linking* (``_link``) runs the checks that span documents over all
-   verdicts in stream order: duplicate names, nodePort clashes, slices whose
-   service is missing. A stream without problems takes a fast path made of
-   set sizes and tuple concatenation; only a stream with problems replays
-   the verdicts one by one, to report them in exactly the order (and with
-   exactly the words) of a single pass.
+2. *Linking* (``_Linker``) runs the checks that span documents: duplicate
+   names, nodePort clashes, slices whose service is missing. It keeps
+   counts (how many verdicts have problems, which names and nodePorts
+   repeat) and flat lists of the model objects, all updated in proportion
+   to what changed, so a stream without problems becomes a Snapshot without
+   looking at every object again. Only a stream with problems is replayed
+   verdict by verdict (``_replay``), to report them in exactly the order,
+   and with exactly the words, of a single pass.
 
 Incremental parsing (``StateParser``), for a state that changes one document
 at a time:
@@ -58,12 +60,12 @@ at a time:
   a document: YAML forbids content lines that begin with ``---`` followed by a
   blank (spec 1.2 production [206] ``c-forbidden``); libyaml and PyYAML end
   every plain or block scalar there and reject a quoted one that spans it.
-- A chunk's verdicts are cached by its exact text; only new or changed chunks
-  are decoded, and unchanged ones keep the very same model objects, which is
-  what lets ``decision.build_plans`` reuse their plans by identity. Finding
-  the unchanged chunks costs two ``memcmp`` walks over the previous chunk
-  list (from the front and from the back), so a typical edit never hashes or
-  even copies the untouched text.
+- A chunk's verdicts are kept with its exact text; only new or changed
+  chunks are decoded, and unchanged ones keep the very same model objects,
+  which is what lets ``decision.build_plans`` reuse their plans by identity.
+  Finding the unchanged chunks costs two ``memcmp`` walks over the previous
+  chunk list (from the front and from the back), so a typical edit never
+  hashes or even copies the untouched text.
 - Anything unusual is decoded as one whole stream instead: directives
   (``%``), document-end markers (``...``), line breaks other than LF and
   CRLF, a byte-order mark after the first byte.
@@ -75,18 +77,20 @@ at a time:
 Decoding, fastest first:
 
 - JSON (``kubectl -o json``, text starting with ``{``) goes to ``json.loads``,
-  ~30x faster than PyYAML. JSON is YAML, and hooks make the two agree where
+  ~20x faster than PyYAML. JSON is YAML, and hooks make the two agree where
   YAML 1.1 reads differently (``1e3`` and ``NaN`` are strings to PyYAML);
   text where they could still differ (tabs, surrogate escapes, characters
   YAML treats as line breaks) goes to PyYAML instead.
 - The block-style subset that kubectl, ``yaml.safe_dump`` and the kpx tools
   print (``key: value`` lines, ``- `` items, single-line plain or quoted
-  scalars, ``{}`` and ``[]``) is read by ``_read_subset``, ~4x faster than
-  PyYAML with libyaml. Plain scalars are resolved and built by PyYAML's own
-  resolver and constructors, so ``yes``, ``0o17`` or ``2024-05-01`` mean
-  exactly what they mean to PyYAML. Anything else (flow collections,
-  multi-line scalars, anchors, tags, escapes, comments after a value,
-  non-ASCII text) is declined and the chunk goes to PyYAML.
+  scalars, ``{}`` and ``[]``) is read by ``_read_subset``, 5-8x faster than
+  PyYAML with libyaml: most lines of a state repeat verbatim from object to
+  object, so each distinct line is read once per parse. Plain scalars are
+  resolved and built by PyYAML's own resolver and constructors, so ``yes``,
+  ``0o17`` or ``2024-05-01`` mean exactly what they mean to PyYAML.
+  Anything else (flow collections, multi-line scalars, anchors, tags,
+  escapes, comments after a value, non-ASCII text) is declined and the
+  chunk goes to PyYAML.
 - PyYAML (libyaml's ``CSafeLoader`` when present) decodes the rest, and is
   the only one that ever reports a syntax error.
 """
@@ -104,7 +108,7 @@ from datetime import UTC, datetime
 from itertools import accumulate, chain, compress, pairwise, repeat, takewhile
 from operator import add, attrgetter
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import yaml
 from yaml.nodes import ScalarNode
@@ -197,10 +201,12 @@ def _a(type_name: str) -> str:
 
 
 # -- verdicts: what one document says, wherever it sits --------------------------
+#
+# Plain NamedTuples: immutable like the model, and several times cheaper to
+# build than frozen dataclasses, which matters at 20,000 documents.
 
 
-@dataclass(frozen=True, slots=True)
-class _Located:
+class _Located(NamedTuple):
     """A problem that names its object by position: ``{head}document {n}{rel}{tail}``.
 
     The document number is only known once the stream is linked, and a
@@ -219,8 +225,7 @@ class _Located:
 _PROTOCOL_CODES = {protocol: code for code, protocol in enumerate(_PROTOCOLS)}
 
 
-@dataclass(frozen=True, slots=True)
-class _Claim:
+class _Claim(NamedTuple):
     """An object listens on ``port/protocol``; clashes are judged when linking."""
 
     port: int
@@ -238,8 +243,7 @@ _Problem = str | _Located | _Claim
 """What ``_Fields`` records: a finished problem, a positional one, or a claim."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Object:
+class _Object(NamedTuple):
     """One named Node, Service or EndpointSlice, judged on its own."""
 
     kind: str
@@ -256,8 +260,7 @@ class _Object:
     """The model object; None if broken, ignored or not IPv4."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Verdict:
+class _Verdict(NamedTuple):
     """One decoded document, judged: replayable entries and fast-path summaries."""
 
     entries: tuple[_Located | _Object, ...]
@@ -822,8 +825,15 @@ def _judge(doc: object) -> _Verdict:
 
 _IDENTS = attrgetter("idents")
 _CLAIMS = attrgetter("claims")
-_KEY = attrgetter("key")
 _SERVICE_KEY = attrgetter("service_key")
+
+
+def _service_keys(verdict: _Verdict) -> Iterator[str]:
+    return (service.key for service in verdict.services)
+
+
+def _slice_keys(verdict: _Verdict) -> Iterator[str]:
+    return (sl.service_key for sl in verdict.slices)
 
 
 class _Tally:
@@ -903,6 +913,10 @@ class _Linker:
         self.unclean = 0
         self.idents = _Tally()
         self.claims = _Tally()
+        # The keys of the accepted services, and the service keys of the
+        # slices: an orphan slice is one whose key is not a service's.
+        self.service_keys = _Tally()
+        self.slice_keys = _Tally()
         self.nodes = _Column(attrgetter("nodes"))
         self.services = _Column(attrgetter("services"))
         self.slices = _Column(attrgetter("slices"))
@@ -912,9 +926,14 @@ class _Linker:
         removed = list(chain.from_iterable(self.chunks[first:stop]))
         added = list(chain.from_iterable(chunks))
         self.unclean += sum(not v.clean for v in added) - sum(not v.clean for v in removed)
-        for tally, take in ((self.idents, _IDENTS), (self.claims, _CLAIMS)):
-            tally.remove(chain.from_iterable(map(take, removed)))
-            tally.add(chain.from_iterable(map(take, added)))
+        for tally, values in (
+            (self.idents, _IDENTS),
+            (self.claims, _CLAIMS),
+            (self.service_keys, _service_keys),
+            (self.slice_keys, _slice_keys),
+        ):
+            tally.remove(chain.from_iterable(map(values, removed)))
+            tally.add(chain.from_iterable(map(values, added)))
         for column in (self.nodes, self.services, self.slices):
             column.replace(first, stop, chunks)
         self.chunks[first:stop] = chunks
@@ -922,16 +941,20 @@ class _Linker:
     def snapshot(self, generation: int) -> Snapshot:
         if self.unclean or self.idents.repeated or self.claims.repeated:
             return _replay(list(chain.from_iterable(self.chunks)), generation)
-        services = tuple(self.services.items)
         slices = self.slices.items
-        linked = map(set(map(_KEY, services)).__contains__, map(_SERVICE_KEY, slices))
-        return Snapshot(
-            nodes=tuple(self.nodes.items),
-            services=services,
+        if not self.slice_keys.counts.keys() <= self.service_keys.counts.keys():
             # An orphan slice (service gone, ignored, or not yet written) is
             # not a problem: kube-proxy drops it too and it reappears with
             # its service.
-            slices=tuple(compress(slices, linked)),
+            slices = list(
+                compress(
+                    slices, map(self.service_keys.counts.__contains__, map(_SERVICE_KEY, slices))
+                )
+            )
+        return Snapshot(
+            nodes=tuple(self.nodes.items),
+            services=tuple(self.services.items),
+            slices=tuple(slices),
             generation=generation,
         )
 
@@ -1000,6 +1023,10 @@ def _replay(verdicts: list[_Verdict], generation: int) -> Snapshot:
 
 # -- decoding ---------------------------------------------------------------------------
 
+_PROMOTE_AFTER = 100_000
+"""Net new tracked objects above which ``_gc_paused`` promotes them (an
+incremental parse makes hundreds)."""
+
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
@@ -1017,6 +1044,15 @@ def _gc_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if gc.get_count()[0] > _PROMOTE_AFTER:
+                # A big parse (a first 10k-service state is ~400k tracked
+                # objects) would be walked by the very next young collection,
+                # ~0.2 s, and again by the middle one. What it built is
+                # long-lived by nature: move it straight to the oldest
+                # generation (freeze + unfreeze walk nothing). It stays
+                # collectable; it is just never treated as young.
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -1080,8 +1116,15 @@ _DECLINE: Any = object()
 """A reader's answer for "not mine, ask PyYAML"."""
 
 
+_RESOLVED_FIRST = frozenset(first for first in _SCALARS.yaml_implicit_resolvers if first)
+"""First characters PyYAML's resolver has a rule for; any other starts a string."""
+_RESOLVE_ALL = None in _SCALARS.yaml_implicit_resolvers or bool(_SCALARS.yaml_path_resolvers)
+
+
 def _plain(text: str) -> object:
     """What PyYAML makes of an untagged plain scalar, or ``_DECLINE``."""
+    if text and text[0] not in _RESOLVED_FIRST and not _RESOLVE_ALL:
+        return text  # Half of a state's names: no resolver to ask.
     tag = _SCALARS.resolve(ScalarNode, text, (True, False))
     if tag == _STR_TAG:
         return text
@@ -1142,41 +1185,73 @@ def _json_document(text: str) -> object:
 _SUBSET_UNSAFE = re.compile(r"[^\n -~]")
 """Anything but LF and printable ASCII: tabs, CR, control and non-ASCII characters."""
 _PLAIN_FIRST = r"(?:[A-Za-z0-9_./~+(\\$^]|-(?=[A-Za-z0-9_.]))"
-_PLAIN_VALUE = rf"{_PLAIN_FIRST}(?:[^:\n #]|:(?=[^ \n])|#| +(?=[^ \n#]))*"
+_PLAIN_WORD = r"[^:\n ]*(?::[^: \n][^:\n ]*)*"
+"""No space, and a ``:`` only before another character (``a:b``, not ``a:``)."""
+_PLAIN_KEY = _PLAIN_FIRST + _PLAIN_WORD
+_PLAIN_VALUE = rf"{_PLAIN_FIRST}{_PLAIN_WORD}(?: +[^ \n#:]{_PLAIN_WORD})*"
 """A one-line plain scalar: no indicator first, no ``: `` or `` #`` inside, no ``:`` last."""
-_PLAIN_KEY = rf"{_PLAIN_FIRST}(?:[^:\n #]|:(?=[^ \n])|#)*"
-_QUOTED = r"'(?:[^'\n]|'')*'|\"[^\"\\\n]*\""
+_QUOTED = r"'[^'\n]*(?:''[^'\n]*)*'|\"[^\"\\\n]*\""
 """Single-quoted, or double-quoted without escapes."""
-_VALUE = rf"{_QUOTED}|\{{\}}|\[\]|{_PLAIN_VALUE}"
-_SUBSET_LINE = re.compile(
-    rf"^( *)(- +)?(?:({_QUOTED}|{_PLAIN_KEY}):(?: +({_VALUE}))?|({_VALUE})) *$"
-    r"|^ *(?:#.*)?$"
-    r"|^(.+)$",
-    re.MULTILINE,
-)
-"""One line: indent, ``- ``, and ``key:``, ``key: value`` or ``value``; or a blank or
-comment line (every group empty); or anything else (the last group: decline)."""
+_VALUE = rf"{_PLAIN_VALUE}|{_QUOTED}|\{{\}}|\[\]"
+_SUBSET_LINE = re.compile(rf"( *)(- +)?(?:({_PLAIN_KEY}|{_QUOTED}):(?: +({_VALUE}))?|({_VALUE})) *")
+"""One content line: indent, ``- ``, and ``key:``, ``key: value`` or ``value``."""
 _MAX_KEY = 1000
 """libyaml and PyYAML refuse an implicit key longer than 1024 characters."""
 
+# What a line reads as, where it is not a plain value: ``{}`` and ``[]`` (a new
+# container each time they are used), ``key:`` (whatever block follows), a
+# blank or comment line, an item line that has no key.
+_NEW_MAPPING: Any = object()
+_NEW_SEQUENCE: Any = object()
+_OPEN: Any = object()
+_SKIP: Any = object()
+_NO_KEY: Any = object()
 
-def _subset_scalar(text: str, memo: dict[str, object]) -> object:
+_Line = tuple[int, int, object, object]
+"""A content line, read: indent, width of its ``- `` (0 if none), key (``_NO_KEY`` for an
+item that is a scalar) and value."""
+
+
+def _scalar(text: str) -> object:
+    """What a ``_VALUE`` means: a string, a resolved plain scalar, or a ``_NEW_*`` marker."""
     first = text[0]
     if first == "'":
         return text[1:-1].replace("''", "'")
     if first == '"':
         return text[1:-1]
     if first == "{":
-        return {}
+        return _NEW_MAPPING
     if first == "[":
-        return []
-    value = memo.get(text, memo)
-    if value is memo:
-        value = memo[text] = _plain(text)
-    return value
+        return _NEW_SEQUENCE
+    return _plain(text)
 
 
-def _read_subset(chunk: str, memo: dict[str, object]) -> list[object] | None:
+def _read_line(line: str) -> _Line | Any:
+    """One line of the subset, read; ``_SKIP`` for blanks and comments, ``_DECLINE`` if not."""
+    content = line.lstrip(" ")
+    if not content or content[0] == "#":
+        return _SKIP
+    match = _SUBSET_LINE.fullmatch(line)
+    if match is None:
+        return _DECLINE
+    indent_text, dash, key, key_value, item = match.groups()
+    if key is None:
+        value = _scalar(item)
+        if value is _DECLINE or not dash:
+            return _DECLINE  # A scalar on a line of its own continues a multi-line one.
+        return len(indent_text), len(dash), _NO_KEY, value
+    if len(key) > _MAX_KEY:
+        return _DECLINE
+    name = _scalar(key)
+    if type(name) is not str:
+        return _DECLINE  # ``1:``, ``true:``, ``<<:``: PyYAML builds those.
+    value = _OPEN if key_value is None else _scalar(key_value)
+    if value is _DECLINE:
+        return _DECLINE
+    return len(indent_text), len(dash or ""), name, value
+
+
+def _read_subset(chunk: str, lines: dict[str, _Line | Any]) -> list[object] | None:
     """The documents of ``chunk`` if it is in the block-style subset, else None.
 
     The subset is what YAML printers emit for Kubernetes objects: a root
@@ -1185,12 +1260,15 @@ def _read_subset(chunk: str, memo: dict[str, object]) -> list[object] | None:
     blank and comment lines. Every line must fit (``_SUBSET_LINE``) and sit
     at a column that opens, continues or closes a block exactly as YAML's
     indentation rules say; whatever does not is declined, never guessed, so
-    an error is always PyYAML's to report. ``memo`` caches plain scalars,
-    which repeat a lot (``TCP``, ``true``, ``v1``).
+    an error is always PyYAML's to report.
 
-    A stack frame is ``[column, container, is_sequence, pending_key]``;
-    ``pending_key`` is a ``key:`` whose value is whatever block the next
-    line opens, or null if it opens none.
+    ``lines`` caches each line's reading by its text: in a state most lines
+    repeat verbatim from one object to the next (``    protocol: TCP``), so
+    most of them cost one dict lookup instead of a regex and a resolver.
+
+    The block being filled is ``(column, container, is_sequence)`` in
+    locals, the blocks around it on ``stack``. ``pending`` is a ``key:``
+    whose value is whatever block the next line opens, or null if none.
     """
     if _SUBSET_UNSAFE.search(chunk):
         return None
@@ -1202,77 +1280,63 @@ def _read_subset(chunk: str, memo: dict[str, object]) -> list[object] | None:
         if rest and rest[0] != "#":
             return None  # Content on the marker line.
         docs.append(None)
-    stack: list[list[Any]] = []
-    top: list[Any] | None = None
-    for indent_text, dash, key, key_value, item, bad in _SUBSET_LINE.findall(body):
-        if bad:
+    stack: list[tuple[int, Any, bool]] = []
+    column, block, in_sequence = 0, cast(Any, None), False
+    pending: object = None
+    for line in body.split("\n"):
+        read = lines.get(line)
+        if read is None:
+            read = lines[line] = _read_line(line)
+        if read is _SKIP:
+            continue
+        if read is _DECLINE:
             return None
-        if not key and not item:
-            continue  # A blank or comment line.
-        indent = len(indent_text)
-        if top is None:
-            if dash or not key or indent:
+        indent, dash, key, value = read
+        if value is _NEW_MAPPING:
+            value = {}
+        elif value is _NEW_SEQUENCE:
+            value = []
+        if block is None:
+            if dash or key is _NO_KEY or indent:
                 return None  # Only a mapping at column 0 can be a Kubernetes object.
-            top = [0, {}, False, None]
-            stack.append(top)
+            block = {}
             if docs:
-                docs[0] = top[1]
+                docs[0] = block
             else:
-                docs.append(top[1])
+                docs.append(block)
         else:
-            pending = top[3]
             if pending is not None:
-                top[3] = None
-                if (indent >= top[0]) if dash else (indent > top[0]):
-                    opened: list[Any] = [indent, [] if dash else {}, bool(dash), None]
-                    top[1][pending] = opened[1]
-                    stack.append(opened)
-                    top = opened
+                if (indent >= column) if dash else (indent > column):
+                    opened: Any = [] if dash else {}
+                    block[pending] = opened
+                    stack.append((column, block, in_sequence))
+                    column, block, in_sequence = indent, opened, bool(dash)
+                pending = None
             # Close the blocks this line is not part of: deeper ones, and a
             # sequence at its own column when the line is not an item.
-            while top[0] > indent or (top[2] and top[0] == indent and not dash):
-                stack.pop()
+            while column > indent or (in_sequence and column == indent and not dash):
                 if not stack:
                     return None
-                top = stack[-1]
-            if top[0] != indent:
+                column, block, in_sequence = stack.pop()
+            if column != indent:
                 return None
             if dash:
-                if not top[2]:
+                if not in_sequence:
                     return None
-                if not key:
-                    value = _subset_scalar(item, memo)
-                    if value is _DECLINE:
-                        return None
-                    top[1].append(value)
+                if key is _NO_KEY:
+                    block.append(value)
                     continue
-                opened = [indent + len(dash), {}, False, None]
-                top[1].append(opened[1])
-                stack.append(opened)
-                top = opened
-            elif top[2] or not key:
+                opened = {}
+                block.append(opened)
+                stack.append((column, block, in_sequence))
+                column, block, in_sequence = indent + dash, opened, False
+            elif in_sequence or key is _NO_KEY:
                 return None
-        if len(key) > _MAX_KEY:
-            return None
-        first = key[0]
-        if first == "'":
-            name: object = key[1:-1].replace("''", "'")
-        elif first == '"':
-            name = key[1:-1]
+        if value is _OPEN:
+            block[key] = None
+            pending = key
         else:
-            name = memo.get(key, memo)
-            if name is memo:
-                name = memo[key] = _plain(key)
-            if type(name) is not str:
-                return None  # ``1:``, ``true:``, ``<<:``: PyYAML builds those.
-        if key_value:
-            value = _subset_scalar(key_value, memo)
-            if value is _DECLINE:
-                return None
-            top[1][name] = value
-        else:
-            top[1][name] = None
-            top[3] = name
+            block[key] = value
     return docs
 
 
@@ -1383,11 +1447,14 @@ class StateParser:
     """
 
     def __init__(self) -> None:
+        self.last = ParseStats()
+        self._forget()
+
+    def _forget(self) -> None:
         self._texts: list[str] = []
         self._starts = array("q", [0])
         """Where each chunk starts in the last stream, and its length at the end."""
         self._linker = _Linker()
-        self.last = ParseStats()
 
     def parse(self, text: str, generation: int = 0) -> Snapshot:
         """Parse ``text``; raises ``StateError`` exactly as ``parse_state`` would."""
@@ -1396,8 +1463,7 @@ class StateParser:
             doc = _json_document(text)
             if doc is not _DECLINE:
                 stats.mode = "json"
-                self.__init__()  # type: ignore[misc]  # A JSON state has no chunks to keep.
-                self.last = stats
+                self._forget()  # A JSON state has no chunks to keep.
                 return _link([_judge(doc)], generation)
             try:
                 self._update(text, stats)
@@ -1446,13 +1512,13 @@ class StateParser:
         end = starts[stop] + delta
 
         known = dict(zip(texts[first:stop], self._linker.chunks[first:stop], strict=True))
-        memo: dict[str, object] = {}
+        lines: dict[str, Any] = {}
         middle = _split(text, pos, end)
         verdicts: list[tuple[_Verdict, ...]] = []
         for start, chunk in middle:
             verdict = known.get(chunk)
             if verdict is None:
-                verdict = self._decode(text, start, chunk, memo, stats)
+                verdict = self._decode(text, start, chunk, lines, stats)
             else:
                 stats.reused += 1
             verdicts.append(verdict)
@@ -1468,12 +1534,12 @@ class StateParser:
 
     @staticmethod
     def _decode(
-        text: str, start: int, chunk: str, memo: dict[str, object], stats: ParseStats
+        text: str, start: int, chunk: str, lines: dict[str, Any], stats: ParseStats
     ) -> tuple[_Verdict, ...]:
         """Decode and judge one new chunk, which starts at ``text[start]``."""
         if _unusual(chunk, start == 0):
             raise _Whole
-        docs = _read_subset(chunk, memo)
+        docs = _read_subset(chunk, lines)
         if docs is None:
             stats.pyyaml += 1
             try:

@@ -177,11 +177,15 @@ class Snapshot:
         # Indexed once per snapshot so lookups stay O(1) with 10k services
         # (a state change rebuilds a snapshot, so this is on the convergence
         # path too); the first of any repeated name wins, as a linear scan would.
-        index: dict[str, tuple[EndpointSlice, ...]] = {}
-        get = index.get
-        for s in self.slices:
-            key = s.service_key
-            index[key] = (*get(key, ()), s)
+        slices = self.slices
+        # Most services have one slice: try that in C, group in Python if not.
+        index = dict(zip(map(_SLICE_SERVICE_KEY, slices), zip(slices), strict=True))
+        if len(index) != len(slices):
+            index = {}
+            get = index.get
+            for s in slices:
+                key = s.service_key
+                index[key] = (*get(key, ()), s)
         object.__setattr__(self, "_slices_by_service", index)
         object.__setattr__(self, "_services_by_key", _first_by(self.services, _SERVICE_KEY))
         object.__setattr__(self, "_nodes_by_name", _first_by(self.nodes, _NODE_NAME))
@@ -199,6 +203,7 @@ class Snapshot:
 
 _T = TypeVar("_T")
 _SERVICE_KEY: Callable[[Service], str] = attrgetter("key")
+_SLICE_SERVICE_KEY: Callable[[EndpointSlice], str] = attrgetter("service_key")
 _NODE_NAME: Callable[[Node], str] = attrgetter("name")
 
 

@@ -12,6 +12,13 @@ itself would go deaf after the first update. kpx watches the directory for
 events naming the file, and polls ``stat`` as a safety net (for filesystems
 without inotify, and for anything the events miss). Every trigger funnels
 into one debounced ``load``; content that did not change is not republished.
+
+Convergence is the point of a live source: a ``StateParser`` keeps the last
+stream's decoded documents, so an edit to one endpoint of a 10,000-service
+file re-decodes one document, and the unchanged objects in the new snapshot
+are the very same ones as before (readers can reuse their plans by
+identity). "Did the content change" is a bytes comparison with the last
+content, not a digest: a memcmp of a 16 MiB state costs ~1 ms, a blake2b ~20.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import logging
 import os
 import struct
@@ -30,6 +36,7 @@ import sys
 from pathlib import Path
 
 from proxy import metrics
+from proxy.k8s import StateError, StateParser
 from proxy.state import StateHub
 
 log = logging.getLogger(__name__)
@@ -90,9 +97,12 @@ class StateFileSource:
         self.hub = hub
         self.interval = interval
         self.generation = 0
-        self._digest: bytes | None = None
+        self.parser = StateParser()
+        self._published: bytes | None = None
+        """The content of the last good file (what the hub holds)."""
         self._stat_key: tuple[int, ...] | None = None
-        self._bad_digest: bytes | None = None
+        self._refused: bytes | None = None
+        """The content of the last bad file, so it is logged once."""
         self._missing_logged = False
         self._watch: _DirectoryWatch | None = None
         self._pending: asyncio.TimerHandle | None = None
@@ -103,8 +113,6 @@ class StateFileSource:
 
         Returns True when the hub holds this file's current content afterwards.
         """
-        from proxy.k8s import StateError, parse_state
-
         try:
             before = os.stat(self.path)
             data = self.path.read_bytes()
@@ -122,14 +130,14 @@ class StateFileSource:
         if _stat_key(before) != self._stat_key:
             # Written to while we read it: a later event or poll sees the rest.
             return False
-        digest = hashlib.blake2b(data, digest_size=16).digest()
-        if digest == self._digest and not force:
+        if data == self._published and not force:
             return True
         try:
-            snapshot = parse_state(data.decode("utf-8", errors="replace"), self.generation + 1)
+            text = data.decode("utf-8", errors="replace")
+            snapshot = self.parser.parse(text, self.generation + 1)
         except StateError as err:
-            if digest != self._bad_digest:
-                self._bad_digest = digest
+            if data != self._refused:
+                self._refused = data
                 metrics.STATE_RELOAD_ERRORS.inc()
                 log.error(
                     "state file %s refused (%d problem%s); the last good state stays in force:"
@@ -141,8 +149,8 @@ class StateFileSource:
                 )
             return False
         self.generation += 1
-        self._digest = digest
-        self._bad_digest = None
+        self._published = data
+        self._refused = None
         metrics.SYNC_LAST_QUEUED_TIMESTAMP.set_to_current_time()
         log.info(
             "state file %s: generation %d (%d nodes, %d services, %d endpoint slices)",
@@ -152,6 +160,7 @@ class StateFileSource:
             len(snapshot.services),
             len(snapshot.slices),
         )
+        log.debug("state file %s: %s", self.path, self.parser.last)
         self.hub.publish(snapshot)
         return True
 
@@ -220,7 +229,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.k8s import StateError, parse_state
+    from proxy.k8s import parse_state
 
     try:
         text = args.path.read_text(encoding="utf-8")
