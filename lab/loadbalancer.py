@@ -38,7 +38,10 @@ Theory of operation:
   ever sees a half-written rule. ``numgen inc`` is a per-rule counter that
   advances once per new connection (nat chains only see a connection's first
   packet), which is what makes the round-robin deterministic. Per-node named
-  counters in the nat postrouting chain count the connections each node got.
+  counters in the nat postrouting chain count the client connections each
+  node got: only those whose conntrack original destination is the front, so
+  the LB's own probes (which a TCP check on the nodePort sends to exactly
+  ``nodeIP:nodePort``) are never counted.
 - proxy: an asyncio server on the front address that dials nodeIP:nodePort
   from the LB (the node sees 10.77.0.2), optionally prefixed with a PROXY v1
   or v2 header, and relays both directions with half-close.
@@ -356,16 +359,32 @@ def nft_dnat_rule(cfg: LBConfig, targets: Sequence[Backend]) -> str:
     )
 
 
+def nft_front_match(cfg: LBConfig) -> str:
+    """Matches a connection that was opened to the LB's front (before the DNAT).
+
+    ``proto-dst`` needs a layer-4 context, so it goes after a ``tcp`` match.
+    """
+    return f"ct original ip daddr {cfg.listen_ip} ct original proto-dst {cfg.port}"
+
+
 def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
     """The whole table, replacing any previous one in the same transaction.
 
     ``table`` + ``delete table`` first makes it idempotent (a restarted daemon
     or a crashed one's leftovers). The postrouting counters are per node and
     only see each connection's first packet, so they count connections.
+
+    They count only connections a client made to the *front* (conntrack's
+    original destination is ``listen_ip:port``): the LB's own health checks
+    leave this namespace through the same postrouting hook, and a TCP check
+    on the nodePort (``probe.port: nodePort``) goes to exactly
+    ``nodeIP:nodePort``, so matching the post-DNAT address alone would count
+    every probe as a connection the node "got".
     """
     counters = "\n".join(f"  counter {counter_name(b.name)} {{ }}" for b in cfg.backends)
     counted = "\n".join(
-        f"    ip daddr {b.ip} tcp dport {cfg.node_port} counter name \"{counter_name(b.name)}\""
+        f"    ip daddr {b.ip} tcp dport {cfg.node_port} {nft_front_match(cfg)} "
+        f"counter name \"{counter_name(b.name)}\""
         for b in cfg.backends
     )
     return (
@@ -763,7 +782,9 @@ async def serve(config_path: Path) -> int:
         except (OSError, ValueError, TypeError, KeyError) as e:
             log.error("reload: cannot read %s (%s); keeping the running config", config_path, e)
             new = cfg
-        same_probe = new.probe == cfg.probe and new.node_port == cfg.node_port
+        # The resolved probe names its port, so a check on the nodePort changes
+        # with it; a new nodePort alone keeps every verdict (no fail-open window).
+        same_probe = new.probe == cfg.probe
         log.info("reload: %s", "config unchanged" if new == cfg else "new config")
         carry, cfg = (lb.nodes if same_probe else None), new
     log.info("stopped")

@@ -172,8 +172,14 @@ def test_ruleset_replaces_the_table_in_one_script() -> None:
         "add rule ip kpx_lb prerouting ip daddr 10.79.0.1 tcp dport 80 dnat ip to numgen inc "
         "mod 2 map { 0 : 10.77.0.11 . 30080, 1 : 10.77.0.13 . 30080 }"
     ) in script
-    for b in NODES:  # a counter for every node, serving or not
-        assert f'ip daddr {b.ip} tcp dport 30080 counter name "n_{b.name}"' in script
+    for b in NODES:  # a counter for every node, serving or not...
+        assert (
+            f"ip daddr {b.ip} tcp dport 30080 "
+            # ...counting only connections made to the front: the LB's own probes
+            # (a TCP check on the nodePort goes to exactly nodeIP:nodePort) never count.
+            "ct original ip daddr 10.79.0.1 ct original proto-dst 80 "
+            f'counter name "n_{b.name}"'
+        ) in script
 
 
 def test_update_swaps_only_the_dnat_rule() -> None:
@@ -431,6 +437,12 @@ def test_nodeport_checks_fail_podless_nodes_by_timeout_but_localhost_works(
     results = {n["name"]: (n["healthy"], n["result"]) for n in doc["nodes"]}
     assert results == {"node1": (True, "connected"), "node2": (False, "timeout"),
                        "node3": (False, "timeout")}
+    # The LB's counters count client connections only: its TCP checks go to
+    # exactly nodeIP:nodePort, yet several probe rounds move no counter.
+    p = FAST_PROBE
+    idle = lbm.connection_counts(lab)
+    time.sleep(3 * max(p["interval"], p["timeout"]))
+    assert lbm.connection_counts(lab) == idle
     port = lab.node_port("default/web")
     probe = (
         "import asyncio, sys; from lab.loadbalancer import Probe, probe_once; "
@@ -481,11 +493,16 @@ def test_lb_follows_a_moved_pod_and_a_changed_node_port(
     svc = lab.service("default/web")
     svc["spec"]["ports"][0]["nodePort"] = 30999
     lab.update_service(svc)  # on_apply: new config, SIGHUP, same daemon
-    deadline = time.monotonic() + 5
-    while lbm.read_status(lab.run_dir).get("nodePort") != 30999 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10
+    doc = lbm.read_status(lab.run_dir)
+    while doc.get("nodePort") != 30999 and time.monotonic() < deadline:
         time.sleep(0.05)
-    doc = wait_serving(lab, ["node2"])
-    assert (doc["pid"], doc["nodePort"]) == (pid, 30999)
+        doc = lbm.read_status(lab.run_dir)
+    # The probe (HTTP on the hc port) did not change, so the verdicts carried over:
+    # the reloaded LB's very first status already serves node2 alone, never failing open.
+    assert (doc["pid"], doc["nodePort"], doc["serving"], doc["failOpen"]) == (
+        pid, 30999, ["node2"], False,
+    ), doc
     node, reply = routed(lab)
     assert node == "node2" and isinstance(reply, dict) and reply["node"] == "node2"
 
