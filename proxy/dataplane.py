@@ -16,14 +16,18 @@ Per (address, nodePort), from the plan:
 
 - ``plan.listen`` False (no endpoint anywhere): no socket at all, so the
   kernel answers RST (REJECT, kpx decision 2);
-- ``plan.drop_external``: the socket stays and the SYN filter goes on, on
-  node-IP listeners only (127.0.0.1's sources are always local); it comes
-  off when local endpoints come back (DROP, kpx decision 1);
+- ``plan.drop_external``: the socket stays and the SYN filter goes on; it
+  passes SYNs from the node's own addresses and 127.0.0.0/8 (those get
+  Cluster semantics) and comes off when local endpoints come back (DROP,
+  kpx decision 1). A listener bound to 127.0.0.1 never gets it: its
+  sources are always local;
 - otherwise a plain listener.
 
-Addresses are the Node object's (IPv4) addresses plus 127.0.0.1, both
-restricted by ``--nodeport-addresses`` as in kube-proxy: a node IP only
-inside one of the CIDRs, 127.0.0.1 only if a CIDR contains it.
+Addresses (``listen_addresses``): without ``--nodeport-addresses``, one
+wildcard ``0.0.0.0`` socket per NodePort, which is iptables mode's
+``--dst-type LOCAL``: every local address, 127.0.0.1 included, whether or not
+the Node object lists it. With CIDRs, one socket per node IP (IPv4, from the
+Node object) and 127.0.0.1 that falls inside one of them, as in kube-proxy.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from proxy.transparent import RoutingConfig, TransparentRouting, transparent_cap
 log = logging.getLogger(__name__)
 
 LOCALHOST = "127.0.0.1"
+WILDCARD = "0.0.0.0"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ListenerKey = tuple[str, int]
 
@@ -67,8 +72,20 @@ def default_max_connections() -> int:
 def listen_addresses(
     node_ips: Iterable[str], nodeport_cidrs: Iterable[Network] | None, bind_localhost: bool
 ) -> list[str]:
-    """Where NodePorts listen: node IPs and 127.0.0.1, filtered as kube-proxy does."""
+    """Where NodePorts listen, as kube-proxy's iptables mode accepts them.
+
+    Without ``--nodeport-addresses`` every local address serves NodePorts
+    (``-m addrtype --dst-type LOCAL``, 127.0.0.1 included): one wildcard
+    socket per NodePort says exactly that, and costs one fd instead of one
+    per address, which is what lets 10,000 services fit a 20,000-fd limit.
+    It also follows addresses that come and go without a sync: nothing to
+    rebind, nothing to retry. With CIDRs, only the node IPs (and 127.0.0.1)
+    inside them, one socket each. ``bind_localhost=False`` (no loopback
+    NodePorts) cannot be said with a wildcard, so it lists the node IPs.
+    """
     cidrs = list(nodeport_cidrs or ())
+    if not cidrs and bind_localhost:
+        return [WILDCARD]
     candidates = list(dict.fromkeys(node_ips))
     if bind_localhost and LOCALHOST not in candidates:
         candidates.append(LOCALHOST)
@@ -177,6 +194,8 @@ class Dataplane:
     def listeners(self) -> list[tuple[str, int, str]]:
         """``(address, port, state)`` for every wanted listener, sorted.
 
+        The address is ``0.0.0.0`` for the wildcard listener (no
+        ``--nodeport-addresses``), which serves every local address.
         States: serving, dropping, paused, or ``error: <why>`` when binding or
         filtering failed and is being retried.
         """
@@ -193,8 +212,11 @@ class Dataplane:
         if node is None:
             if not self._warned_no_node:
                 log.warning(
-                    "node %r is not in the state (generation %d): listening on localhost only",
+                    "node %r is not in the state (generation %d): its addresses are unknown, "
+                    "so only 127.0.0.0/8 counts as node-originated%s",
                     self.node_name, snapshot.generation,
+                    "" if self.nodeport_cidrs is None and self.bind_localhost
+                    else "; listening on 127.0.0.1 only, where the CIDRs allow it",
                 )
                 self._warned_no_node = True
             node_ips: tuple[str, ...] = ()
@@ -217,6 +239,9 @@ class Dataplane:
                 self._program = None
 
         addrs = listen_addresses(node_ips, self.nodeport_cidrs, self.bind_localhost)
+        # The filter goes on every dropping listener but a 127.0.0.1 one:
+        # the wildcard one included, since the program itself lets the node's
+        # addresses and 127.0.0.0/8 through.
         self._desired = {
             (a, port): plan.drop_external and a != LOCALHOST
             for port, plan in plans.items()
@@ -241,6 +266,7 @@ class Dataplane:
         self._failed.clear()
         self._blocked.clear()
         self._update_gauge()
+        self.forwarder.flush_metrics()
 
     async def drain(self, grace: float) -> int:
         """Wait up to ``grace`` seconds for relays to end, then RST the rest.
@@ -252,10 +278,8 @@ class Dataplane:
             log.info("draining %d connection(s) for up to %.1fs", n, grace)
         if await self.forwarder.wait_idle(grace):
             return 0
-        aborted = self.forwarder.abort_all()
+        aborted = self.forwarder.abort_all()  # synchronous: every socket is closed
         log.warning("grace period over: reset %d connection(s)", aborted)
-        # Let the resets' connection_lost callbacks run (bounded).
-        await self.forwarder.wait_idle(1.0)
         return aborted
 
     def close(self) -> None:
@@ -270,7 +294,7 @@ class Dataplane:
         self._listeners.clear()
         self._failed.clear()
         self._blocked.clear()
-        self.forwarder.abort_all()
+        self.forwarder.close()
         if self._routing is not None:
             self._routing.remove()
             self.forwarder.transparent = False

@@ -16,6 +16,13 @@ children inherit it. SYNs from the node's own addresses (and 127.0.0.0/8)
 pass, because node-originated traffic gets Cluster semantics even under
 eTP=Local. Attach and detach are atomic; no listener restart is needed.
 
+On a wildcard (``0.0.0.0``) listener, the default without
+``--nodeport-addresses``, the one filter covers every local address:
+external SYNs to any of them are dropped, while a connection to 127.0.0.1
+comes from 127.0.0.0/8 (unless a local program binds another local source
+on purpose), which passes, so localhost NodePorts keep working on the same
+socket.
+
 For a TCP socket, absolute loads are relative to the TCP header; the IPv4
 source address is reached through the ancillary ``SKF_NET_OFF`` base.
 """

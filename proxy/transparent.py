@@ -187,9 +187,11 @@ def upstream_socket(client_ip: str | None) -> socket.socket:
     so the port space is per 4-tuple and not per client IP: one busy client
     behind eTP=Local would otherwise exhaust ~28k ports, TIME_WAIT included.
     """
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # SOCK_NONBLOCK: non-blocking from birth, one syscall fewer than setblocking().
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     try:
-        s.setblocking(False)
+        # A relay must not add Nagle delays to what it forwards.
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if client_ip is not None:
             s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
             s.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)

@@ -12,6 +12,8 @@ Commands:
     RST           reply "ok", wait for one more byte, then close with an RST
     HOLD          read nothing; keep the connection open until the client goes
     DRIP <n>      send one line every 50 ms, n times, then close (drain tests)
+    BURST <n>     send n pattern bytes without reading, then read until EOF,
+                  reply "<bytes read>" and close (both directions congested)
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ class Handler(socketserver.BaseRequestHandler):
         s.shutdown(socket.SHUT_WR)
         # Wait for the proxy to close its side, so the FIN is what it sees.
         s.recv(1)
+
+    def do_burst(self, s: socket.socket, arg: str) -> None:
+        for chunk in pattern_stream(int(arg)):
+            s.sendall(chunk)
+        n = 0
+        while data := s.recv(262144):
+            n += len(data)
+        s.sendall(f"{n}\n".encode())
 
     def do_sha(self, s: socket.socket, arg: str) -> None:
         h = hashlib.sha256()

@@ -40,8 +40,13 @@ def test_listen_addresses_follow_nodeport_cidrs() -> None:
 
     nets = lambda *c: [ipaddress.ip_network(x) for x in c]  # noqa: E731
     ips = ["10.0.0.5", "192.168.9.9"]
-    assert listen_addresses(ips, None, True) == ["10.0.0.5", "192.168.9.9", "127.0.0.1"]
+    # No CIDRs: every local address, as --dst-type LOCAL; one socket per port.
+    assert listen_addresses(ips, None, True) == ["0.0.0.0"]
+    assert listen_addresses((), None, True) == ["0.0.0.0"]
+    assert listen_addresses(ips, [], True) == ["0.0.0.0"]
+    # Without loopback NodePorts a wildcard would say too much: per node IP.
     assert listen_addresses(ips, None, False) == ["10.0.0.5", "192.168.9.9"]
+    # CIDRs: one socket per node IP (and 127.0.0.1) inside them.
     assert listen_addresses(ips, nets("10.0.0.0/8"), True) == ["10.0.0.5"]
     assert listen_addresses(ips, nets("127.0.0.0/8", "192.168.0.0/16"), True) == [
         "192.168.9.9", "127.0.0.1"]
@@ -56,13 +61,16 @@ def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backe
         dp = Dataplane(NODE, loop=asyncio.get_running_loop())
         try:
             dp.apply(snap(*web(a, be.port)))
-            assert dp.listeners() == [("127.0.0.1", a, "serving"), (NODE_IP, a, "serving")]
-            assert len(ss_listening(a)) == 2
+            # One wildcard socket serves the node IP and 127.0.0.1 alike.
+            assert dp.listeners() == [("0.0.0.0", a, "serving")]
+            (line,) = ss_listening(a)
+            assert f"0.0.0.0:{a} " in line
             assert await asyncio.to_thread(peer_name, a) == "b"
+            assert await asyncio.to_thread(peer_name, a, "127.0.0.1") == "b"
 
             dp.apply(snap(*web(b, be.port), generation=2))  # the nodePort moved
             assert ss_listening(a) == []
-            assert len(ss_listening(b)) == 2
+            assert len(ss_listening(b)) == 1
             assert await asyncio.to_thread(peer_name, b, "127.0.0.1") == "b"
 
             dp.apply(snap(node(NODE, NODE_IP), generation=3))  # service deleted
@@ -106,6 +114,7 @@ def test_nodeport_addresses_restrict_listeners(backends) -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         for cidrs, expected in [
+            (None, [("0.0.0.0", np_, "serving")]),
             (["127.0.0.2/32"], [(NODE_IP, np_, "serving")]),
             (["10.0.0.0/8"], []),
             (["127.0.0.0/8"], [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "serving")]),
@@ -114,6 +123,7 @@ def test_nodeport_addresses_restrict_listeners(backends) -> None:
             try:
                 dp.apply(snap(*web(np_, be.port)))
                 assert dp.listeners() == expected, cidrs
+                assert len(ss_listening(np_)) == len(expected), cidrs
             finally:
                 dp.close()
 
@@ -127,7 +137,16 @@ def test_unassigned_node_ip_is_logged_once_and_retried(backends, caplog) -> None
     absent = "192.0.2.77"  # TEST-NET-1: never assigned here; bind() fails, nothing is sent
 
     async def scenario() -> None:
+        # The wildcard listener does not care which node IPs are assigned.
         dp = Dataplane(NODE, loop=asyncio.get_running_loop(), retry_interval=0.05)
+        try:
+            dp.apply(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
+            assert dp.listeners() == [("0.0.0.0", np_, "serving")]
+        finally:
+            dp.close()
+        # Per-address listeners (--nodeport-addresses) bind each node IP.
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), retry_interval=0.05,
+                       nodeport_cidrs=["127.0.0.0/8", "192.0.2.0/24"])
         try:
             dp.apply(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
             await asyncio.sleep(0.3)  # several retries
@@ -147,7 +166,7 @@ def test_unassigned_node_ip_is_logged_once_and_retried(backends, caplog) -> None
     assert "retrying" in warnings[0]
 
 
-def test_drop_state_on_node_ips_never_on_localhost(backends) -> None:
+def test_drop_state_on_the_wildcard_listener(backends) -> None:
     be = backends()
     np_ = free_port()
 
@@ -156,8 +175,28 @@ def test_drop_state_on_node_ips_never_on_localhost(backends) -> None:
         try:
             # eTP=Local, the only endpoint on another node: DROP external.
             dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
+            assert dp.listeners() == [("0.0.0.0", np_, "dropping")]
+            # The node's own address and loopback sources pass the filter on
+            # the same socket and get Cluster semantics.
+            assert await asyncio.to_thread(peer_name, np_, NODE_IP) == "b"
+            assert await asyncio.to_thread(peer_name, np_, "127.0.0.1") == "b"
+            dp.apply(snap(*web(np_, be.port, etp="Local"), generation=2))
+            assert dp.listeners() == [("0.0.0.0", np_, "serving")]
+        finally:
+            dp.close()
+
+    run_on("uvloop", scenario)
+
+
+def test_drop_state_on_node_ips_never_on_localhost_with_cidrs(backends) -> None:
+    be = backends()
+    np_ = free_port()
+
+    async def scenario() -> None:
+        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), nodeport_cidrs=["127.0.0.0/8"])
+        try:
+            dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
             assert dp.listeners() == [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "dropping")]
-            # Loopback sources pass the filter and get Cluster semantics.
             assert await asyncio.to_thread(peer_name, np_, NODE_IP) == "b"
             assert await asyncio.to_thread(peer_name, np_, "127.0.0.1") == "b"
             dp.apply(snap(*web(np_, be.port, etp="Local"), generation=2))
@@ -198,15 +237,15 @@ def test_capacity_limit_queues_clients_instead_of_refusing(loop_kind: str, backe
             t = asyncio.ensure_future(asyncio.to_thread(third))
             await asyncio.sleep(0.15)
             assert not t.done()
-            assert (NODE_IP, np_, "paused") in dp.listeners()
+            assert ("0.0.0.0", np_, "paused") in dp.listeners()
             assert [await d for d in drips] == [8, 8]
             name, waited = await t
             assert name == "b" and waited >= 0.2
             for _ in range(100):  # resumed once the last relay has ended
-                if (NODE_IP, np_, "serving") in dp.listeners():
+                if ("0.0.0.0", np_, "serving") in dp.listeners():
                     break
                 await asyncio.sleep(0.01)
-            assert (NODE_IP, np_, "serving") in dp.listeners()
+            assert ("0.0.0.0", np_, "serving") in dp.listeners()
         finally:
             dp.close()
 
@@ -224,6 +263,32 @@ def test_listener_close_removes_the_socket() -> None:
         assert lis.state == "closed" and ss_listening(port) == []
 
     run_on("uvloop", scenario)
+
+
+def test_accepted_sockets_inherit_nodelay() -> None:
+    """The relay counts on it: no Nagle delay added, no setsockopt per connection."""
+    got: list[socket.socket] = []
+
+    async def scenario() -> None:
+        port = free_port()
+        lis = Listener(asyncio.get_running_loop(), "127.0.0.1", port,
+                       lambda sock, addr, node_port: got.append(sock))
+        lis.open()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                for _ in range(100):
+                    if got:
+                        break
+                    await asyncio.sleep(0.01)
+        finally:
+            lis.close()
+
+    run_on("uvloop", scenario)
+    assert len(got) == 1
+    try:
+        assert got[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        got[0].close()
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])

@@ -96,10 +96,8 @@ def test_drop_reject_serve_on_the_wire(topo: Topology, driver: Driver) -> None:
         service("none", reject, BACKEND_PORT),  # no endpoints at all: REJECT
         *local_svc("serve", serve, etp="Local"),
     )
-    assert set(driver.listeners()) == {
-        (T.NODE_IP, drop, "dropping"), ("127.0.0.1", drop, "serving"),
-        (T.NODE_IP, serve, "serving"), ("127.0.0.1", serve, "serving"),
-    }
+    # One wildcard socket per NodePort; the dropping one carries the filter.
+    assert set(driver.listeners()) == {("0.0.0.0", drop, "dropping"), ("0.0.0.0", serve, "serving")}
     assert ss_listening(reject, topo.node) == []  # REJECT: no LISTEN socket at all
 
     # On the wire, from outside: no answer at all / RST at once / SYN-ACK.
@@ -121,7 +119,7 @@ def test_drop_reject_serve_on_the_wire(topo: Topology, driver: Driver) -> None:
 
     # A local endpoint appears: the filter comes off, no listener restart.
     driver.update(node(NODE, T.NODE_IP), *local_svc("drop", drop, etp="Local"))
-    assert (T.NODE_IP, drop, "serving") in driver.listeners()
+    assert ("0.0.0.0", drop, "serving") in driver.listeners()
     assert peer(topo.client, (T.NODE_IP, drop)) == ("pod1", T.CLIENT_IP)
     assert ss_listening(serve, topo.node) == []  # "serve" left the state
 
@@ -183,17 +181,38 @@ def test_no_nft_means_one_warning_and_snat(topo: Topology, tmp_path: Path) -> No
     assert routing_state(topo.node) == {"nft": False, "rule": False, "route": False}
 
 
-def test_unassigned_node_ip_is_retried_until_it_appears(topo: Topology, driver: Driver) -> None:
+def test_unassigned_node_ip_is_retried_until_it_appears(topo: Topology, tmp_path: Path) -> None:
+    """Per-address listeners (--nodeport-addresses) retry an address not yet assigned."""
     np_ = 30097
     late = "10.77.1.50"
-    driver.start(node(NODE, T.NODE_IP, late), *local_svc("a", np_))
-    assert (late, np_, "error: Cannot assign requested address") in driver.listeners()
-    assert (T.NODE_IP, np_, "serving") in driver.listeners()
+    drv = Driver(tmp_path, NODE, "--transparent", "--nodeport-cidrs", "10.77.1.0/24",
+                 netns=topo.node)
+    try:
+        drv.start(node(NODE, T.NODE_IP, late), *local_svc("a", np_))
+        assert (late, np_, "error: Cannot assign requested address") in drv.listeners()
+        assert (T.NODE_IP, np_, "serving") in drv.listeners()
+        sh("ip", "-n", topo.node, "addr", "add", f"{late}/24", "dev", "c0")
+        try:
+            wait_for(lambda: (late, np_, "serving") in drv.listeners(), 3,
+                     what="the late address to be served")
+            assert peer(topo.client, (late, np_)) == ("pod1", T.CLIENT_IP)
+        finally:
+            sh("ip", "-n", topo.node, "addr", "del", f"{late}/24", "dev", "c0", check=False)
+    finally:
+        drv.stop()
+
+
+def test_wildcard_listener_serves_an_address_added_later(topo: Topology,
+                                                         driver: Driver) -> None:
+    """Without --nodeport-addresses every local address serves, even a new one."""
+    np_ = 30104
+    late = "10.77.1.51"
+    driver.start(node(NODE, T.NODE_IP), *local_svc("a", np_))
+    assert driver.listeners() == [("0.0.0.0", np_, "serving")]
     sh("ip", "-n", topo.node, "addr", "add", f"{late}/24", "dev", "c0")
     try:
-        wait_for(lambda: (late, np_, "serving") in driver.listeners(), 3,
-                 what="the late address to be served")
         assert peer(topo.client, (late, np_)) == ("pod1", T.CLIENT_IP)
+        assert peer(topo.client, (T.NODE_IP, np_)) == ("pod1", T.CLIENT_IP)
     finally:
         sh("ip", "-n", topo.node, "addr", "del", f"{late}/24", "dev", "c0", check=False)
 
