@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 from proxy import metrics, synfilter
 from proxy.balancer import Balancer
-from proxy.decision import PortPlan, build_plans
+from proxy.decision import PlanCache, PortPlan, build_plans
 from proxy.forwarder import Forwarder, PortMetrics, PortState
 from proxy.listener import Listener
 from proxy.model import Snapshot
@@ -163,6 +163,9 @@ class Dataplane:
         self._balancers: dict[str, Balancer] = {}
         self._metrics: dict[str, PortMetrics] = {}
         self._plans: dict[int, PortPlan] = {}
+        # Unchanged services keep their PortPlan objects across applies, so a
+        # one-endpoint change on 10,000 services rebuilds one plan, not all.
+        self._plan_cache = PlanCache()
         self._node_ips: tuple[str, ...] = ()
         self._program: list[synfilter.Instruction] | None = synfilter.syn_drop_program(())
         self._desired: dict[ListenerKey, bool] = {}
@@ -226,7 +229,9 @@ class Dataplane:
             if len(node_ips) != len(node.ips):
                 log.debug("node %s: non-IPv4 addresses ignored (IPv4 only)", self.node_name)
 
-        plans = build_plans(snapshot, self.node_name, self.masquerade_all)
+        plans = build_plans(
+            snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
+        )
         self._swap_plans(plans)
 
         if node_ips != self._node_ips:
@@ -249,12 +254,9 @@ class Dataplane:
             for a in addrs
         }
         self._reconcile()
-
         # SYNC_DURATION / SYNC_LAST_TIMESTAMP are observed around apply() by
-        # proxy.node.timed_reader, which also times the other readers' view.
-        metrics.NO_LOCAL_ENDPOINTS.labels("external").set(
-            sum(1 for p in plans.values() if p.drop_external)
-        )
+        # proxy.node.timed_reader; the no-local-endpoints gauge belongs to the
+        # healthz sidecar's SyncMetrics, which serves it.
 
     async def stop_accepting(self) -> None:
         """Close every listener (SIGTERM step 1); relays keep running."""
