@@ -245,6 +245,8 @@ class _Side:
         if not (self.mask & _EPOLLIN and events & _READABLE):
             return
         fwd = self.fwd
+        # One read per event: level-triggered epoll reports the socket again
+        # if more is waiting, after every other ready socket had its turn.
         try:
             n = self.sock.recv_into(fwd.buf)
         except _RETRY:
@@ -260,6 +262,8 @@ class _Side:
         assert b is not None
         view = fwd.view[:n]
         if b.out is None:
+            # Straight from the shared buffer: nothing is copied unless the
+            # kernel leaves some of it (then ``hold`` copies just that).
             try:
                 sent = b.sock.send(view)
             except _RETRY:
