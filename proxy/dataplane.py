@@ -238,7 +238,9 @@ class Dataplane:
             self._node_ips = node_ips
             self.forwarder.local_addresses = frozenset(node_ips)
             try:
-                self._program = synfilter.syn_drop_program(node_ips)
+                self._program = synfilter.syn_drop_program(
+                    node_ips, self.forwarder.cluster_cidrs
+                )
             except ValueError as exc:
                 log.error("node %s: cannot build the SYN filter: %s", self.node_name, exc)
                 self._program = None

@@ -67,33 +67,52 @@ def _u32(value: int) -> int:
     return value & 0xFFFFFFFF
 
 
-def syn_drop_program(local_addresses: Iterable[str]) -> list[Instruction]:
+def syn_drop_program(
+    local_addresses: Iterable[str],
+    pass_networks: Iterable[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+) -> list[Instruction]:
     """The filter for a listener whose external SYNs must be dropped.
 
-    Accepts every packet whose IPv4 source is one of ``local_addresses`` or in
-    127.0.0.0/8, then drops pure SYNs (SYN set, ACK clear) and accepts the
-    rest. IPv6 addresses are ignored: kpx listens on IPv4 only.
+    Accepts every packet whose IPv4 source is one of ``local_addresses``, in
+    127.0.0.0/8, or in ``pass_networks`` (``--cluster-cidr``: pod traffic gets
+    Cluster semantics, so its SYNs must reach the proxy), then drops pure SYNs
+    (SYN set, ACK clear) and accepts the rest. IPv6 is ignored: kpx listens on
+    IPv4 only.
     """
     addrs: list[int] = []
     for a in dict.fromkeys(local_addresses):
         ip = ipaddress.ip_address(a)
         if ip.version == 4:
             addrs.append(int(ip))
-    if len(addrs) > MAX_ADDRESSES:
+    nets = [
+        (int(net.network_address), int(net.netmask))
+        for net in dict.fromkeys(pass_networks)
+        if net.version == 4
+    ]
+    if len(addrs) + 3 * len(nets) > MAX_ADDRESSES:
         raise ValueError(
-            f"{len(addrs)} local addresses; a SYN filter holds at most {MAX_ADDRESSES}"
+            f"{len(addrs)} local addresses and {len(nets)} networks; "
+            f"a SYN filter holds at most {MAX_ADDRESSES} tests"
         )
 
-    n = len(addrs)
+    n, m = len(addrs), len(nets)
     # Layout: [0] load source, [1..n] address tests, [n+1..n+2] 127/8 test,
-    # [n+3..n+5] pure-SYN test, [n+6] accept, [n+7] drop.
-    accept_at = n + 6
+    # 3 per pass network (reload source, mask, compare), then the pure-SYN
+    # test (3), accept, drop.
+    accept_at = n + 3 + 3 * m + 3
     prog: list[Instruction] = [(BPF_LD_W_ABS, 0, 0, _u32(SKF_NET_OFF + IPV4_SRC_OFFSET))]
-    for i, addr in enumerate(addrs, start=1):
-        prog.append((BPF_JMP_JEQ_K, accept_at - (i + 1), 0, addr))
-    pc = n + 1
+
+    def to_accept(value: int) -> Instruction:
+        return (BPF_JMP_JEQ_K, accept_at - (len(prog) + 1), 0, value)
+
+    for addr in addrs:
+        prog.append(to_accept(addr))
     prog.append((BPF_ALU_AND_K, 0, 0, 0xFF000000))
-    prog.append((BPF_JMP_JEQ_K, accept_at - (pc + 2), 0, 0x7F000000))
+    prog.append(to_accept(0x7F000000))
+    for net, mask in nets:
+        prog.append((BPF_LD_W_ABS, 0, 0, _u32(SKF_NET_OFF + IPV4_SRC_OFFSET)))
+        prog.append((BPF_ALU_AND_K, 0, 0, mask))
+        prog.append(to_accept(net))
     prog.append((BPF_LD_B_ABS, 0, 0, TCP_FLAGS_OFFSET))
     prog.append((BPF_ALU_AND_K, 0, 0, TCP_SYN | TCP_ACK))
     # jt skips the accept instruction and lands on drop.

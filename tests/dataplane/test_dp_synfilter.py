@@ -94,3 +94,18 @@ def test_attach_replace_detach_on_a_real_listener() -> None:
         synfilter.detach(s)
     finally:
         s.close()
+
+
+def test_cluster_cidr_sources_pass_the_drop_filter() -> None:
+    """With --cluster-cidr, pod SYNs get Cluster semantics, so they must not be dropped."""
+    import ipaddress
+
+    from proxy.synfilter import TCP_SYN, run_program, syn_drop_program
+
+    prog = syn_drop_program(["10.77.0.12"], [ipaddress.ip_network("10.244.0.0/16")])
+    assert run_program(prog, "10.244.3.7", TCP_SYN)       # a pod on any node
+    assert run_program(prog, "10.77.0.12", TCP_SYN)       # the node itself
+    assert run_program(prog, "127.0.0.1", TCP_SYN)        # localhost
+    assert not run_program(prog, "10.79.0.100", TCP_SYN)  # an external client
+    assert not run_program(prog, "10.245.0.1", TCP_SYN)   # just outside the CIDR
+    assert syn_drop_program(["10.77.0.12"]) == syn_drop_program(["10.77.0.12"], [])
