@@ -36,14 +36,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
-    sidecar = Sidecar(
-        hub,
-        args.hostname_override,
-        healthz_bind=args.healthz_bind_address,
-        metrics_bind=args.metrics_bind_address,
-        nodeport_addresses=args.nodeport_addresses or None,
-        retry_interval=min(5.0, args.sync_period),
-    )
+    sidecar = Sidecar.from_flags(hub, args)
     try:
         source = make_source(args, hub)
     except KubeConfigError as e:

@@ -15,6 +15,7 @@ runs one alone against its own hub and state file.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ipaddress
 import logging
@@ -93,6 +94,18 @@ class Sidecar:
         self._retries: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = False
+
+    @classmethod
+    def from_flags(cls, hub: StateHub, args: argparse.Namespace) -> Sidecar:
+        """The sidecar as ``kpx node`` and ``kpx healthz`` configure it from their flags."""
+        return cls(
+            hub,
+            args.hostname_override,
+            healthz_bind=args.healthz_bind_address,
+            metrics_bind=args.metrics_bind_address,
+            nodeport_addresses=args.nodeport_addresses or None,
+            retry_interval=min(5.0, args.sync_period),
+        )
 
     @property
     def healthz_address(self) -> tuple[str, int] | None:

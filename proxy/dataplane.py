@@ -262,6 +262,11 @@ class Dataplane:
 
     async def stop_accepting(self) -> None:
         """Close every listener (SIGTERM step 1); relays keep running."""
+        self._close_listeners()
+        self.forwarder.flush_metrics()
+
+    def _close_listeners(self) -> None:
+        """No new connections from here on: every listener closed, no retries."""
         self._accepting = False
         self._cancel_retry()
         for lis in self._listeners.values():
@@ -270,7 +275,6 @@ class Dataplane:
         self._failed.clear()
         self._blocked.clear()
         self._update_gauge()
-        self.forwarder.flush_metrics()
 
     async def drain(self, grace: float) -> int:
         """Wait up to ``grace`` seconds for relays to end, then RST the rest.
@@ -291,13 +295,7 @@ class Dataplane:
         if self._closed:
             return
         self._closed = True
-        self._accepting = False
-        self._cancel_retry()
-        for lis in self._listeners.values():
-            lis.close()
-        self._listeners.clear()
-        self._failed.clear()
-        self._blocked.clear()
+        self._close_listeners()
         self.forwarder.close()
         if self._routing is not None:
             self._routing.remove()

@@ -193,13 +193,7 @@ async def serve(args: argparse.Namespace) -> int:
     if not args.no_healthz and worker_index == 0:
         from healthz.sidecar import Sidecar
 
-        sidecar = Sidecar(
-            hub,
-            args.hostname_override,
-            healthz_bind=args.healthz_bind_address,
-            metrics_bind=args.metrics_bind_address,
-            nodeport_addresses=args.nodeport_addresses or None,
-        )
+        sidecar = Sidecar.from_flags(hub, args)
         await sidecar.start()
 
     stop = asyncio.Event()

@@ -173,13 +173,17 @@ def attach(sock: socket.socket, program: list[Instruction]) -> None:
     _set_program(sock, SO_ATTACH_FILTER, program)
 
 
+def _detach(sock: socket.socket, option: int) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, option, 0)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:  # nothing attached: already the wanted state
+            raise
+
+
 def detach(sock: socket.socket) -> None:
     """Remove ``sock``'s filter; a socket without one is left as it is."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
-    except OSError as exc:
-        if exc.errno != errno.ENOENT:
-            raise
+    _detach(sock, SO_DETACH_FILTER)
 
 
 
@@ -217,8 +221,4 @@ def attach_reuseport(sock: socket.socket, program: list[Instruction]) -> None:
 
 def detach_reuseport(sock: socket.socket) -> None:
     """Back to the kernel's 4-tuple hash; a group without a program is left as it is."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_DETACH_REUSEPORT_BPF, 0)
-    except OSError as exc:
-        if exc.errno != errno.ENOENT:
-            raise
+    _detach(sock, SO_DETACH_REUSEPORT_BPF)
