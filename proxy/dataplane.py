@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 LOCALHOST = "127.0.0.1"
 WILDCARD = "0.0.0.0"
+LOG_EACH_LISTENER_UP_TO = 32
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ListenerKey = tuple[str, int]
 
@@ -326,11 +327,18 @@ class Dataplane:
     def _reconcile(self) -> None:
         if not self._accepting:
             return
-        for key in [k for k in self._listeners if k not in self._desired]:
+        gone = [k for k in self._listeners if k not in self._desired]
+        new = sum(1 for k in self._desired if k not in self._listeners)
+        # One line per listener reads well for a lab's handful of services; a
+        # sync of thousands gets a summary, and the details at debug level.
+        level = logging.INFO if len(gone) + new <= LOG_EACH_LISTENER_UP_TO else logging.DEBUG
+        for key in gone:
             lis = self._listeners.pop(key)
             lis.close()
             self._blocked.discard(lis)
-            log.info("closed listener %s:%d (%s)", key[0], key[1], lis.label)
+            log.log(level, "closed listener %s:%d (%s)", key[0], key[1], lis.label)
+        if level == logging.DEBUG:
+            log.info("listeners: opening %d, closed %d", new, len(gone))
         for key in [k for k in self._failed if k not in self._desired]:
             del self._failed[key]
 
@@ -357,7 +365,7 @@ class Dataplane:
                     )
                     lis.open(program)
                     self._listeners[key] = lis
-                    log.info("listening on %s:%d for %s%s", addr, port, plan.key,
+                    log.log(level, "listening on %s:%d for %s%s", addr, port, plan.key,
                              " (dropping external SYNs)" if program else "")
                 else:
                     lis.label = plan.key

@@ -89,6 +89,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from proxy import metrics
 from proxy.balancer import Balancer
@@ -149,7 +150,22 @@ class PortMetrics:
         self.bytes_to_endpoint = self.bytes_to_client = 0
         self.active = 0
         self.dirty = False
-        self._children = (
+        # The labelled children are made on the first flush, i.e. only for
+        # ports that saw a connection: making nine per port up front cost
+        # 2 s of a 2.7 s apply of 10,000 services.
+        self._children: tuple[Any, ...] = ()
+
+    def _active_now(self) -> float:
+        return self.active
+
+    def ensure_children(self) -> None:
+        if not self._children:
+            self._children = self._make_children()
+
+    def _make_children(self) -> tuple[Any, ...]:
+        key = self.key
+        metrics.ACTIVE_CONNECTIONS.labels(key).set_function(self._active_now)
+        return (
             metrics.CONNECTIONS_ACCEPTED.labels(key),
             metrics.CONNECTIONS_FORWARDED.labels(key, "true"),
             metrics.CONNECTIONS_FORWARDED.labels(key, "false"),
@@ -159,14 +175,11 @@ class PortMetrics:
             metrics.BYTES.labels(key, "to_endpoint"),
             metrics.BYTES.labels(key, "to_client"),
         )
-        metrics.ACTIVE_CONNECTIONS.labels(key).set_function(self._active_now)
-
-    def _active_now(self) -> float:
-        return self.active
 
     def flush(self) -> None:
         """Add what was counted since the last flush to the Prometheus children."""
         self.dirty = False
+        self.ensure_children()
         for name, child in zip(self.COUNTERS, self._children, strict=True):
             n = getattr(self, name)
             if n:
@@ -722,6 +735,7 @@ class Forwarder:
         if not m.dirty:
             m.dirty = True
             self._dirty.append(m)
+            m.ensure_children()  # first traffic: the live gauge exists from now on
         if self._flush_timer is None:
             self._flush_timer = self.loop.call_later(METRICS_FLUSH_INTERVAL, self.flush_metrics)
 
