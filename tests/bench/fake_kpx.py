@@ -18,18 +18,8 @@ import os
 import sys
 import time
 
+from bench.naive_proxy import pipe
 from proxy.k8s import StateError, parse_state
-
-
-async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-    try:
-        while data := await r.read(65536):
-            w.write(data)
-            await w.drain()
-        if w.can_write_eof():
-            w.write_eof()
-    except OSError:
-        w.transport.abort()
 
 
 class Fake:
