@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from bench.naive_proxy import pipe
+from bench.naive_proxy import handle as relay
 from proxy.k8s import StateError, parse_state
 
 
@@ -35,14 +35,7 @@ class Fake:
         if up is None:
             cw.transport.abort()
             return
-        try:
-            ur, uw = await asyncio.open_connection(*up)
-        except OSError:
-            cw.transport.abort()
-            return
-        await asyncio.gather(pipe(cr, uw), pipe(ur, cw))
-        uw.close()
-        cw.close()
+        await relay(cr, cw, up)
 
     async def sync(self) -> None:
         st = os.stat(self.state)
