@@ -97,12 +97,10 @@ Decoding, fastest first:
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import accumulate, chain, compress, pairwise, repeat, takewhile
@@ -113,6 +111,7 @@ from typing import Any, Literal, NamedTuple, cast
 import yaml
 from yaml.nodes import ScalarNode
 
+from proxy.gcpause import gc_paused
 from proxy.model import (
     DEFAULT_AFFINITY_SECONDS,
     Endpoint,
@@ -1023,39 +1022,6 @@ def _replay(verdicts: list[_Verdict], generation: int) -> Snapshot:
 
 # -- decoding ---------------------------------------------------------------------------
 
-_PROMOTE_AFTER = 100_000
-"""Net new tracked objects above which ``_gc_paused`` promotes them (an
-incremental parse makes hundreds)."""
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while a state is built.
-
-    Decoding 10k services allocates millions of acyclic dicts and strings;
-    each allocation burst triggers a full-generation collection that walks
-    all of them again, which more than doubles the cost of PyYAML and of
-    this module. Nothing built here forms a cycle, so reference counting
-    frees it all anyway. Restored only if it was on, so nesting is safe.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            if gc.get_count()[0] > _PROMOTE_AFTER:
-                # A big parse (a first 10k-service state is ~400k tracked
-                # objects) would be walked by the very next young collection,
-                # ~0.2 s, and again by the middle one. What it built is
-                # long-lived by nature: move it straight to the oldest
-                # generation (freeze + unfreeze walk nothing). It stays
-                # collectable; it is just never treated as young.
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
-
-
 def _mark(mark: Any, line_offset: int) -> str:
     return f"line {mark.line + 1 + line_offset}, column {mark.column + 1}"
 
@@ -1459,7 +1425,7 @@ class StateParser:
     def parse(self, text: str, generation: int = 0) -> Snapshot:
         """Parse ``text``; raises ``StateError`` exactly as ``parse_state`` would."""
         stats = self.last = ParseStats()
-        with _gc_paused():
+        with gc_paused():
             doc = _json_document(text)
             if doc is not _DECLINE:
                 stats.mode = "json"
@@ -1563,7 +1529,7 @@ def parse_objects(documents: Iterable[object], generation: int = 0) -> Snapshot:
     ``parse_state`` minus the decoding, for sources that decode themselves
     (JSON from an API server, tests).
     """
-    with _gc_paused():
+    with gc_paused():
         return _link(map(_judge, documents), generation)
 
 
@@ -1583,7 +1549,7 @@ def _parse_whole(text: str, generation: int = 0) -> Snapshot:
 
     What ``StateParser`` falls back to, and what the tests hold it to.
     """
-    with _gc_paused():
+    with gc_paused():
         return _link(map(_judge, _load_all(text)), generation)
 
 

@@ -33,6 +33,9 @@ from proxy.state import ProxyHealth, StateHub
 
 log = logging.getLogger(__name__)
 
+SLOW_APPLY = 0.1
+"""Seconds above which an apply is logged at info (every one is at debug)."""
+
 
 def parse_duration(text: str) -> float:
     """Go-style durations as kube-proxy flags take them: ``30s``, ``1m``, ``500ms``, ``2``."""
@@ -153,7 +156,10 @@ def timed_reader(reader: Callable[[Snapshot], None]) -> Callable[[Snapshot], Non
         start = time.perf_counter()
         reader(snapshot)
         done = time.time()
-        metrics.SYNC_DURATION.observe(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        metrics.SYNC_DURATION.observe(elapsed)
+        log.log(logging.INFO if elapsed >= SLOW_APPLY else logging.DEBUG,
+                "generation %d applied in %.0f ms", snapshot.generation, elapsed * 1000)
         metrics.SYNC_LAST_TIMESTAMP.set(done)
 
     apply.__qualname__ = f"timed({getattr(reader, '__qualname__', reader)})"

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from proxy.gcpause import gc_paused
 from proxy.model import Snapshot
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,11 @@ class StateHub:
         self.snapshot = snapshot
         self.health.queued()
         ok = True
-        for reader in list(self._readers):
-            ok &= self._deliver(reader, snapshot)
+        # Applying a big state allocates as much as parsing it (plans,
+        # balancers, listeners): the same GC pause holds (proxy.gcpause).
+        with gc_paused():
+            for reader in list(self._readers):
+                ok &= self._deliver(reader, snapshot)
         if ok:
             self.health.updated()
 
