@@ -141,6 +141,19 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+def machine_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat.
+
+    Busy is everything but idle and iowait: softirq work done for the
+    veth pairs counts, wherever it runs.
+    """
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
 def rss_bytes(pids: Sequence[int]) -> int:
     """Summed resident set of ``pids`` (statm field 2, in pages)."""
     total = 0

@@ -39,6 +39,8 @@ class Metric:
     label: str
     short: str = ""
     """Prefix in a live row when a workload prints several figures (p50, p99)."""
+    per_process: bool = False
+    """Measured on the contender's processes: none for direct and kernel."""
 
 
 METRICS: dict[str, Metric] = {
@@ -48,7 +50,9 @@ METRICS: dict[str, Metric] = {
         Metric("req_per_s", "rr", "req/s", True, "rr requests/s"),
         Metric("p50_ms", "rr", "ms", False, "rr p50 latency", "p50"),
         Metric("p99_ms", "rr", "ms", False, "rr p99 latency", "p99"),
+        Metric("rr_cpu_us", "rr", "us", False, "proxy CPU per request", "cpu", True),
         Metric("conn_per_s", "cps", "conn/s", True, "new connections/s"),
+        Metric("cps_cpu_us", "cps", "us", False, "proxy CPU per connection", "cpu", True),
         Metric("kib_per_conn", "mem", "KiB", False, "RSS per idle proxied connection"),
         Metric("apply_s", "apply", "s", False, "apply N services"),
         Metric("idle_cpu_pct", "idle", "% core", False, "idle CPU"),
@@ -238,7 +242,7 @@ def ratio(table: CellTable, path: str | None, metric: str, num: str, den: str) -
 
 RATIO_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kpx", "haproxy", ("gbps", "req_per_s", "p50_ms", "p99_ms", "conn_per_s",
-                        "kib_per_conn")),
+                        "rr_cpu_us", "cps_cpu_us", "kib_per_conn")),
     ("kpx", "kernel", ("gbps", "req_per_s", "p50_ms", "p99_ms", "conn_per_s")),
     ("kpx-w2", "kpx", ("req_per_s", "p99_ms", "conn_per_s")),
 )

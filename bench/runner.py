@@ -48,7 +48,7 @@ from bench.contenders import (
     make_contenders,
 )
 from bench.control import ControlSettings, run_control
-from bench.procs import nofile_hard_limit
+from bench.procs import cpu_seconds, machine_jiffies, nofile_hard_limit
 from bench.results import CellTable, Run, all_ratios, document, evaluate_targets, write
 from bench.topology import Topology
 from bench.workloads import WORKLOAD_FUNCS, Settings
@@ -76,6 +76,42 @@ class Config:
         d = asdict(self)
         d["out"] = str(self.out)
         return d
+
+
+@dataclass
+class CpuUsage:
+    """What one run cost in CPU: the contender's own, and the whole machine's.
+
+    Why beside every throughput figure: on 2 shared cores the load generator,
+    the backend and the proxy compete, so a rate alone cannot tell a slower
+    proxy from a saturated machine. CPU per request or connection is the
+    proxy's own cost, and the machine's busy share says whether anything was
+    left for it (a second worker cannot help when it is near 100%).
+    """
+
+    contender: Contender
+    cpu0: float
+    busy0: int
+    total0: int
+
+    @classmethod
+    def start(cls, c: Contender) -> CpuUsage:
+        busy, total = machine_jiffies()
+        return cls(c, cpu_seconds(c.pids()), busy, total)
+
+    def finish(self, workload: str, run: Run) -> None:
+        c = self.contender
+        busy, total = machine_jiffies()
+        if total > self.total0:
+            run.detail["machine_busy_pct"] = round(
+                100 * (busy - self.busy0) / (total - self.total0), 1)
+        if not c.has_process or not run.ok:
+            return
+        cpu = cpu_seconds(c.pids()) - self.cpu0
+        run.detail["proxy_cpu_s"] = round(cpu, 2)
+        requests = run.detail.get("requests")
+        if workload in ("rr", "cps") and requests:
+            run.metrics[f"{workload}_cpu_us"] = round(cpu / requests * 1e6, 1)
 
 
 class Display:
@@ -383,7 +419,9 @@ class Bench:
                                           f" (pause {cfg.settings.pause:g}s)")
                         time.sleep(cfg.settings.pause)
                         t0 = time.monotonic()
+                        usage = CpuUsage.start(c)
                         run = WORKLOAD_FUNCS[w](self.topo, c, cfg.settings)
+                        usage.finish(w, run)
                         run.detail["wall_s"] = round(time.monotonic() - t0, 2)
                         capped = run.detail.get("capped")
                         if capped and f"mem: {capped}" not in self.notes:

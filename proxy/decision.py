@@ -37,9 +37,19 @@ LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
 @dataclass(frozen=True, slots=True)
 class Forward:
+    """Connect to ``endpoint``; ``why`` is the rule that chose the candidates.
+
+    The full ``reason`` is spelled out only when asked for (logs, tools):
+    building it for every connection cost about 1 µs of the hot path.
+    """
+
     endpoint: EndpointInfo
     snat: bool
-    reason: str = ""
+    why: str = ""
+
+    @property
+    def reason(self) -> str:
+        return f"{self.why} -> {self.endpoint}{' (SNAT)' if self.snat else ''}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,21 +76,27 @@ class PortPlan:
     has_any: bool
     masquerade_all: bool = False
     remote_count: int = field(default=0)
+    # Read by every connection, or by every sync for every port: derived
+    # from the Service once, when the plan is built.
+    key: str = field(init=False)
+    """``ns/name:port`` (or ``ns/name`` for an unnamed port), kube-proxy's svcPortName."""
+    policy_local: bool = field(init=False)
+    affinity_seconds: float | None = field(init=False)
+    """Seconds of ClientIP affinity; None without affinity."""
 
-    @property
-    def key(self) -> str:
-        """``ns/name:port`` (or ``ns/name`` for an unnamed port), kube-proxy's svcPortName."""
-        if self.port.name:
-            return f"{self.service.key}:{self.port.name}"
-        return self.service.key
+    def __post_init__(self) -> None:
+        svc, name = self.service, self.port.name
+        setattr_ = object.__setattr__
+        setattr_(self, "key", f"{svc.key}:{name}" if name else svc.key)
+        setattr_(self, "policy_local", svc.external_policy_local)
+        setattr_(
+            self, "affinity_seconds",
+            float(svc.affinity_timeout_seconds) if svc.session_affinity == "ClientIP" else None,
+        )
 
     @property
     def node_port(self) -> int:
         return self.port.node_port
-
-    @property
-    def policy_local(self) -> bool:
-        return self.service.external_policy_local
 
     @property
     def listen(self) -> bool:
@@ -92,11 +108,6 @@ class PortPlan:
         """True means external SYNs are dropped (eTP=Local, nothing here)."""
         return self.has_any and self.policy_local and not self.local
 
-    @property
-    def affinity_seconds(self) -> float | None:
-        if self.service.session_affinity == "ClientIP":
-            return float(self.service.affinity_timeout_seconds)
-        return None
 
 
 def build_plan(
@@ -330,7 +341,7 @@ def decide(
     # --masquerade-all restores "always" for eTP=Cluster, never for eTP=Local
     # external clients, whose source IP is the point of the policy.
     snat = node_source or (plan.masquerade_all and not plan.policy_local) or not ep.is_local
-    return Forward(ep, snat, f"{why} -> {ep}{' (SNAT)' if snat else ''}")
+    return Forward(ep, snat, why)
 
 
 def decide_in_snapshot(
