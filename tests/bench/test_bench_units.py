@@ -177,3 +177,55 @@ def test_charts_skipped_without_matplotlib(tmp_path: Path,
     files, note = report.charts(sample_table(), tmp_path, "x")
     assert files == [] and note and "matplotlib" in note
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- CPU accounting ----------------------------------------------------------------
+
+
+class _Busy:
+    """A contender stand-in whose process is this test: it burns CPU on demand."""
+
+    has_process = True
+
+    def pids(self) -> list[int]:
+        import os
+
+        return [os.getpid()]
+
+
+def _burn(seconds: float) -> None:
+    import time
+
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_cpu_per_request_is_the_contenders_cpu_over_requests() -> None:
+    from bench.runner import CpuUsage
+
+    usage = CpuUsage.start(_Busy())  # type: ignore[arg-type]
+    _burn(0.3)
+    run = Run(ok=True, metrics={"req_per_s": 1.0}, detail={"requests": 1000})
+    usage.finish("rr", run)
+    # 0.3 s of CPU over 1,000 requests is 300 us each (clock ticks are 10 ms).
+    assert 250 <= run.metrics["rr_cpu_us"] <= 400
+    assert 0 < run.detail["machine_busy_pct"] <= 100
+    assert run.detail["proxy_cpu_s"] >= 0.25
+
+
+def test_cpu_is_not_claimed_for_failed_runs_or_kernel_contenders() -> None:
+    from bench.runner import CpuUsage
+
+    failed = Run.failed("wrk: 3 read errors", requests=1000)
+    CpuUsage.start(_Busy()).finish("cps", failed)  # type: ignore[arg-type]
+    assert "cps_cpu_us" not in failed.metrics
+
+    class _Kernel(_Busy):
+        has_process = False
+
+    run = Run(ok=True, metrics={"conn_per_s": 1.0}, detail={"requests": 1000})
+    usage = CpuUsage.start(_Kernel())  # type: ignore[arg-type]
+    _burn(0.05)  # the machine's share needs at least one clock tick to pass
+    usage.finish("cps", run)
+    assert "cps_cpu_us" not in run.metrics and "machine_busy_pct" in run.detail
