@@ -34,7 +34,11 @@ Theory of operation:
 - Speed matters (10k services must cost a fraction of a second on top of
   decoding): fields are plain dict lookups checked with ``type(v) is``, which
   is also what stops a YAML ``true`` passing as the integer 1, and a field
-  path string is only built once a problem is found.
+  path string is only built once a problem is found. A plain Service or
+  IPv4 slice, nearly every object of a state, is judged by a shortcut
+  (``_quick_service``, ``_quick_slice``) that only accepts what the full
+  judge would accept without a problem, and builds the same objects; on
+  anything else it steps aside, so every problem is still worded in one place.
 
 Two passes, so that the first one can be cached:
 
@@ -83,11 +87,14 @@ Decoding, fastest first:
   YAML treats as line breaks) goes to PyYAML instead.
 - The block-style subset that kubectl, ``yaml.safe_dump`` and the kpx tools
   print (``key: value`` lines, ``- `` items, single-line plain or quoted
-  scalars, ``{}`` and ``[]``) is read by ``_read_subset``, 5-8x faster than
+  scalars, ``{}`` and ``[]``) is read by ``_read_subset``, about 10x faster than
   PyYAML with libyaml: most lines of a state repeat verbatim from object to
-  object, so each distinct line is read once per parse. Plain scalars are
-  resolved and built by PyYAML's own resolver and constructors, so ``yes``,
-  ``0o17`` or ``2024-05-01`` mean exactly what they mean to PyYAML.
+  object, so each distinct line is read once per parse, and documents that
+  differ only in names and numbers have the same shape, which is compiled
+  once into a program that builds them without a branch per line. Plain
+  scalars are resolved and built by PyYAML's own resolver rules (joined into
+  one regex per first character) and constructors, so ``yes``, ``0o17`` or
+  ``2024-05-01`` mean exactly what they mean to PyYAML.
   Anything else (flow collections, multi-line scalars, anchors, tags,
   escapes, comments after a value, non-ASCII text) is declined and the
   chunk goes to PyYAML.
@@ -100,11 +107,11 @@ from __future__ import annotations
 import json
 import re
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import accumulate, chain, compress, pairwise, repeat, takewhile
-from operator import add, attrgetter
+from operator import add, attrgetter, itemgetter, methodcaller, not_
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
 
@@ -420,6 +427,24 @@ class _Fields:
         return tuple(value)
 
 
+_Interned = dict[tuple[object, ...], Any]
+"""Endpoints by (address, node, ready, serving, terminating, pod) and slice ports by
+(name, port, protocol): the lengths keep the two apart."""
+
+_NO_STRINGS: dict[str, str] = {}
+"""An absent mapping, for ``dict.get`` defaults; never written to."""
+_NO_ITEMS: list[Any] = []
+"""An absent list, for ``dict.get`` defaults; never written to."""
+
+
+def _all_strings(mapping: dict[Any, Any]) -> bool:
+    """Whether every key and value of ``mapping`` is a ``str``, as ``string_map`` wants."""
+    for k, v in mapping.items():  # noqa: SIM110 - a loop is faster than all() on a genexpr.
+        if type(k) is not str or type(v) is not str:
+            return False
+    return True
+
+
 def _pairs(mapping: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(mapping.items())
 
@@ -442,12 +467,259 @@ def _timestamp(fields: _Fields, value: object, path: str) -> float | None:
     return None
 
 
+# -- the common case, quickly ---------------------------------------------------
+#
+# ``_quick_*`` accept only objects that the full judges below would accept
+# without a single problem, and build equal model objects and the same
+# claims for them, with plain lookups and no ``_Fields`` calls. Anything
+# else (any problem, a null where a default applies, an ignored service,
+# session affinity, a non-IPv4 slice) makes them return None, and the full
+# judge decides, so every message still comes from one place.
+
+
+def _quick_name(doc: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
+    """Namespace, name and labels of a well-formed namespaced object, else None."""
+    meta = doc.get("metadata")
+    if type(meta) is not dict:
+        return None
+    name = meta.get("name")
+    namespace = meta.get("namespace")
+    labels = meta.get("labels")
+    if type(name) is not str or not name:
+        return None
+    if type(namespace) is not str:
+        if namespace is not None:
+            return None
+        namespace = "default"
+    elif not namespace:
+        namespace = "default"
+    if labels is None:
+        labels = {}
+    elif type(labels) is not dict or not _all_strings(labels):
+        return None
+    return namespace, name, labels
+
+
+def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
+    """``service`` for a plain Service (see above): it and its claims, or None."""
+    named = _quick_name(doc)
+    spec = doc.get("spec")
+    if named is None or type(spec) is not dict:
+        return None
+    namespace, name, labels = named
+    get = spec.get
+    svc_type = get("type", "ClusterIP")
+    etp = get("externalTrafficPolicy", "Cluster")
+    itp = get("internalTrafficPolicy", "Cluster")
+    hc_port = get("healthCheckNodePort", 0)
+    affinity = get("sessionAffinity", "None")
+    selector = get("selector", _NO_STRINGS)
+    external_ips = get("externalIPs", _NO_ITEMS)
+    cluster_ip = get("clusterIP")
+    publish = get("publishNotReadyAddresses", False)
+    raw_ports = get("ports")
+    if not (
+        type(svc_type) is str
+        and svc_type in _SERVICE_TYPES
+        and svc_type != "ExternalName"
+        and type(etp) is str
+        and etp in _POLICIES
+        and type(itp) is str
+        and itp in _POLICIES
+        and type(hc_port) is int
+        and 0 <= hc_port < 65536
+        and type(affinity) is str
+        and affinity == "None"
+        and type(selector) is dict
+        and _all_strings(selector)
+        and type(external_ips) is list
+        and (not external_ips or all(type(ip) is str for ip in external_ips))
+        and (cluster_ip is None or (type(cluster_ip) is str and cluster_ip != "None"))
+        and type(publish) is bool
+        and type(raw_ports) is list
+        and raw_ports
+        and SERVICE_PROXY_NAME_LABEL not in labels
+        and HEADLESS_LABEL not in labels
+    ):
+        return None
+    key = f"{namespace}/{name}"
+    label = f"Service {key}"
+    claims: list[_Claim] = []
+    ports: list[ServicePort] = []
+    port_names: set[str] = set()
+    for i, raw in enumerate(raw_ports):
+        if type(raw) is not dict:
+            return None
+        pget = raw.get
+        port_name = pget("name", "")
+        protocol = pget("protocol", "TCP")
+        port = pget("port")
+        target = pget("targetPort", port)
+        node_port = pget("nodePort", 0)
+        if not (
+            type(port_name) is str
+            and port_name not in port_names
+            and type(protocol) is str
+            and protocol in _PROTOCOLS
+            and type(port) is int
+            and 0 < port < 65536
+            and ((type(target) is str and target) or (type(target) is int and 0 < target < 65536))
+            and type(node_port) is int
+            and 0 <= node_port < 65536
+        ):
+            return None
+        port_names.add(port_name)
+        if node_port:
+            claims.append(_Claim(node_port, protocol, label, f"spec.ports[{i}].nodePort"))
+        ports.append(ServicePort(port_name, protocol, port, target, node_port))
+    # Positional arguments, in field order: a third cheaper than keywords for 14 fields.
+    service = Service(
+        namespace,
+        name,
+        svc_type,
+        tuple(ports),
+        cluster_ip,
+        etp,
+        itp,
+        hc_port,
+        "None",  # session_affinity
+        DEFAULT_AFFINITY_SECONDS,
+        tuple(selector.items()),
+        tuple(labels.items()),
+        tuple(external_ips),
+        publish,
+    )
+    if service.needs_health_check:
+        claims.append(_Claim(hc_port, "TCP", label, "spec.healthCheckNodePort"))
+    return service, claims
+
+
+def _quick_slice(doc: dict[str, Any], interned: _Interned) -> EndpointSlice | None:
+    """``endpoint_slice`` for a plain IPv4 slice (see above), or None.
+
+    Its endpoints and ports come from ``interned`` when an equal one was
+    built before: the same pods back many slices' worth of lines, and a
+    frozen model object is safe to share. A key is only looked up once its
+    fields' types are checked, so ``1`` never finds what ``True`` built.
+    """
+    named = _quick_name(doc)
+    if named is None:
+        return None
+    namespace, name, labels = named
+    address_type = doc.get("addressType", "IPv4")
+    service_name = labels.get(SERVICE_NAME_LABEL)
+    meta: dict[str, Any] = doc["metadata"]
+    annotations = meta.get("annotations", _NO_STRINGS)
+    raw_endpoints = doc.get("endpoints", _NO_ITEMS)
+    raw_ports = doc.get("ports", _NO_ITEMS)
+    if not (
+        type(address_type) is str
+        and address_type == "IPv4"
+        and service_name
+        and type(annotations) is dict
+        and type(raw_endpoints) is list
+        and type(raw_ports) is list
+    ):
+        return None
+    trigger_time = None
+    trigger = annotations.get(TRIGGER_TIME_ANNOTATION)
+    if trigger is not None:
+        if type(trigger) is not str:
+            return None
+        try:
+            when = datetime.fromisoformat(trigger)
+        except ValueError:
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        trigger_time = when.timestamp()
+
+    endpoints: list[Endpoint] = []
+    for raw in raw_endpoints:
+        if type(raw) is not dict:
+            return None
+        eget = raw.get
+        addresses = eget("addresses")
+        conditions = eget("conditions", _NO_STRINGS)
+        node_name = eget("nodeName")
+        target_ref = eget("targetRef")
+        if type(addresses) is not list or not addresses or type(conditions) is not dict:
+            return None
+        address = addresses[0]
+        cget = conditions.get
+        ready = cget("ready", True)
+        serving = cget("serving", True)
+        terminating = cget("terminating", False)
+        if not (
+            type(address) is str
+            and type(ready) is type(serving) is type(terminating) is bool
+            and (node_name is None or type(node_name) is str)
+        ):
+            return None
+        pod_name = None
+        if target_ref is not None:
+            if type(target_ref) is not dict:
+                return None
+            if target_ref.get("kind") == "Pod":
+                pod_name = target_ref.get("name")
+                if pod_name is not None and type(pod_name) is not str:
+                    return None
+        key = (address, node_name, ready, serving, terminating, pod_name)
+        endpoint = interned.get(key)
+        if endpoint is None:
+            if not _IPV4.fullmatch(address):
+                return None
+            endpoint = interned[key] = Endpoint(
+                address, node_name or None, ready, serving, terminating, pod_name
+            )
+        endpoints.append(endpoint)
+
+    ports: list[EndpointPort] = []
+    for raw in raw_ports:
+        if type(raw) is not dict:
+            return None
+        pget = raw.get
+        port_name = pget("name", "")
+        protocol = pget("protocol", "TCP")
+        port = pget("port", 0)
+        if not (
+            type(port_name) is str
+            and type(protocol) is str
+            and protocol in _PROTOCOLS
+            and type(port) is int
+            and 0 <= port < 65536
+        ):
+            return None
+        if port:
+            # A port without a number is skipped, as EndpointSliceCache does.
+            key = (port_name, port, protocol)
+            endpoint_port = interned.get(key)
+            if endpoint_port is None:
+                endpoint_port = interned[key] = EndpointPort(port_name, port, protocol)
+            ports.append(endpoint_port)
+
+    # Positional arguments, in field order (see ``_quick_service``).
+    return EndpointSlice(
+        namespace, name, service_name, tuple(endpoints), tuple(ports), "IPv4", trigger_time
+    )
+
+
 class _Judge:
     """Judges one decoded document alone; ``verdict`` hands back what it found."""
 
-    __slots__ = ("claims", "clean", "entries", "idents", "nodes", "services", "slices")
+    __slots__ = (
+        "claims",
+        "clean",
+        "entries",
+        "idents",
+        "interned",
+        "nodes",
+        "services",
+        "slices",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, interned: _Interned) -> None:
+        self.interned = interned
         self.entries: list[_Located | _Object] = []
         self.clean = True
         self.idents: list[str] = []
@@ -478,7 +750,7 @@ class _Judge:
         key: str,
         rel: str,
         early: tuple[str, ...],
-        problems: list[_Problem],
+        problems: Sequence[_Problem],
         value: Node | Service | EndpointSlice | None,
     ) -> None:
         """Record a named object; ``problems`` holds only strings and claims by now."""
@@ -521,14 +793,22 @@ class _Judge:
         api_version = _API_VERSIONS.get(kind)
         if api_version is None or doc.get("apiVersion", api_version) != api_version:
             return  # Not an object kpx reads (Pod, ConfigMap, a CRD that reuses a name...).
-        problems: list[_Problem] = []
-        fields = _Fields(kind, rel, problems)
         if kind == "Service":
-            self.service(fields, doc)
+            quick = _quick_service(doc)
+            if quick is None:
+                self.service(_Fields(kind, rel, []), doc)
+            else:
+                self.services.append(quick[0])
+                self.done(kind, quick[0].key, rel, (), quick[1], quick[0])
         elif kind == "EndpointSlice":
-            self.endpoint_slice(fields, doc)
+            value = _quick_slice(doc, self.interned)
+            if value is None:
+                self.endpoint_slice(_Fields(kind, rel, []), doc)
+            else:
+                self.slices.append(value)
+                self.done(kind, f"{value.namespace}/{value.name}", rel, (), [], value)
         else:
-            self.node(fields, doc)
+            self.node(_Fields(kind, rel, []), doc)
 
     def metadata(
         self, fields: _Fields, doc: dict[str, Any], kind: str, namespaced: bool
@@ -812,9 +1092,41 @@ class _Judge:
         return Endpoint(address, node_name or None, ready, serving, terminating, pod_name)
 
 
-def _judge(doc: object) -> _Verdict:
-    """The verdict on one decoded document (None, an empty document, has no objects)."""
-    judge = _Judge()
+_new: Any = tuple.__new__
+"""A NamedTuple from a tuple of all its fields in order, skipping the Python-level
+``__new__`` that named arguments need: twice as fast, for two per document."""
+
+
+def _judge(doc: object, interned: _Interned | None = None) -> _Verdict:
+    """The verdict on one decoded document (None, an empty document, has no objects).
+
+    ``interned`` (see ``_quick_slice``) may be shared by the documents of one parse.
+
+    A plain Service or slice on its own, most documents of a state, gets its
+    verdict built here directly, exactly as ``_Judge`` would build it.
+    """
+    if type(doc) is dict:
+        kind = doc.get("kind")
+        api_version = _API_VERSIONS.get(kind) if type(kind) is str else None
+        if api_version is not None and doc.get("apiVersion", api_version) == api_version:
+            if kind == "Service":
+                quick = _quick_service(doc)
+                if quick is not None:
+                    service, claims = quick
+                    ident = f"Service/{service.key}"
+                    entry = _new(
+                        _Object, (kind, service.key, ident, "", (), tuple(claims), service)
+                    )
+                    codes = tuple([claim.code for claim in claims])
+                    return _new(_Verdict, ((entry,), True, (ident,), codes, (), (service,), ()))
+            elif kind == "EndpointSlice":
+                value = _quick_slice(doc, {} if interned is None else interned)
+                if value is not None:
+                    key = f"{value.namespace}/{value.name}"
+                    ident = f"EndpointSlice/{key}"
+                    entry = _new(_Object, (kind, key, ident, "", (), (), value))
+                    return _new(_Verdict, ((entry,), True, (ident,), (), (), (), (value,)))
+    judge = _Judge({} if interned is None else interned)
     if doc is not None:
         judge.item(doc, "", None)
     return judge.verdict()
@@ -824,15 +1136,29 @@ def _judge(doc: object) -> _Verdict:
 
 _IDENTS = attrgetter("idents")
 _CLAIMS = attrgetter("claims")
+_SERVICES = attrgetter("services")
+_SLICES = attrgetter("slices")
+_CLEAN = attrgetter("clean")
+_KEY = attrgetter("key")
 _SERVICE_KEY = attrgetter("service_key")
 
-
-def _service_keys(verdict: _Verdict) -> Iterator[str]:
-    return (service.key for service in verdict.services)
+# What each tally counts, over a list of verdicts; all in C (map and chain).
 
 
-def _slice_keys(verdict: _Verdict) -> Iterator[str]:
-    return (sl.service_key for sl in verdict.slices)
+def _idents(verdicts: list[_Verdict]) -> Iterator[str]:
+    return chain.from_iterable(map(_IDENTS, verdicts))
+
+
+def _claims(verdicts: list[_Verdict]) -> Iterator[int]:
+    return chain.from_iterable(map(_CLAIMS, verdicts))
+
+
+def _service_keys(verdicts: list[_Verdict]) -> Iterator[str]:
+    return map(_KEY, chain.from_iterable(map(_SERVICES, verdicts)))
+
+
+def _slice_keys(verdicts: list[_Verdict]) -> Iterator[str]:
+    return map(_SERVICE_KEY, chain.from_iterable(map(_SLICES, verdicts)))
 
 
 class _Tally:
@@ -850,6 +1176,15 @@ class _Tally:
 
     def add(self, values: Iterable[object]) -> None:
         counts = self.counts
+        values = list(values)
+        fresh = dict.fromkeys(values, 1)
+        if len(fresh) == len(values) and counts.keys().isdisjoint(fresh):
+            # All new and none twice, as in any state without duplicates: in C.
+            if counts:
+                counts.update(fresh)
+            else:
+                self.counts = fresh
+            return
         for value in values:
             count = counts.get(value, 0) + 1
             counts[value] = count
@@ -885,7 +1220,12 @@ class _Column:
 
     def replace(self, first: int, stop: int, chunks: list[tuple[_Verdict, ...]]) -> None:
         """Chunks ``first:stop`` become ``chunks``."""
-        groups = [tuple(chain.from_iterable(map(self.take, verdicts))) for verdicts in chunks]
+        verdicts = list(chain.from_iterable(chunks))
+        if len(verdicts) == len(chunks):
+            # A chunk holds one document or none; here each holds one.
+            groups: list[tuple[Any, ...]] = list(map(self.take, verdicts))
+        else:
+            groups = [tuple(chain.from_iterable(map(self.take, vs))) for vs in chunks]
         low, high = self.starts[first], self.starts[stop]
         new = list(chain.from_iterable(groups))
         self.items[low:high] = new
@@ -924,15 +1264,17 @@ class _Linker:
         """Chunks ``first:stop`` become ``chunks``."""
         removed = list(chain.from_iterable(self.chunks[first:stop]))
         added = list(chain.from_iterable(chunks))
-        self.unclean += sum(not v.clean for v in added) - sum(not v.clean for v in removed)
+        self.unclean += (len(added) - sum(map(_CLEAN, added))) - (
+            len(removed) - sum(map(_CLEAN, removed))
+        )
         for tally, values in (
-            (self.idents, _IDENTS),
-            (self.claims, _CLAIMS),
+            (self.idents, _idents),
+            (self.claims, _claims),
             (self.service_keys, _service_keys),
             (self.slice_keys, _slice_keys),
         ):
-            tally.remove(chain.from_iterable(map(values, removed)))
-            tally.add(chain.from_iterable(map(values, added)))
+            tally.remove(values(removed))
+            tally.add(values(added))
         for column in (self.nodes, self.services, self.slices):
             column.replace(first, stop, chunks)
         self.chunks[first:stop] = chunks
@@ -1022,6 +1364,7 @@ def _replay(verdicts: list[_Verdict], generation: int) -> Snapshot:
 
 # -- decoding ---------------------------------------------------------------------------
 
+
 def _mark(mark: Any, line_offset: int) -> str:
     return f"line {mark.line + 1 + line_offset}, column {mark.column + 1}"
 
@@ -1080,18 +1423,65 @@ _PLAIN_CONSTRUCTORS = {
 
 _DECLINE: Any = object()
 """A reader's answer for "not mine, ask PyYAML"."""
+_MISSING: Any = object()
+"""Not in a memo (whose values may be None or ``_DECLINE``)."""
 
 
-_RESOLVED_FIRST = frozenset(first for first in _SCALARS.yaml_implicit_resolvers if first)
-"""First characters PyYAML's resolver has a rule for; any other starts a string."""
 _RESOLVE_ALL = None in _SCALARS.yaml_implicit_resolvers or bool(_SCALARS.yaml_path_resolvers)
+
+
+def _one_rule(
+    rules: list[tuple[str, re.Pattern[str]]],
+) -> tuple[re.Pattern[str], dict[int | None, str]]:
+    """PyYAML's rules for one first character as one regex, and the tag of each group.
+
+    ``resolve`` tries the rules in order and takes the first that matches;
+    an alternation of them does the same in one call. Each rule sits in a
+    group of its own, which closes after any group inside it, so
+    ``lastindex`` names the rule that matched. Rules it cannot join safely
+    (different flags, a verbose ``#``) are left to ``resolve``.
+    """
+    flags = {regexp.flags for _, regexp in rules}
+    if len(flags) != 1 or any("#" in regexp.pattern for _, regexp in rules):
+        raise ValueError("rules that cannot be joined")
+    parts: list[str] = []
+    tags: dict[int | None, str] = {}
+    group = 1
+    for tag, regexp in rules:
+        parts.append(f"({regexp.pattern})")
+        tags[group] = tag
+        group += 1 + regexp.groups
+    return re.compile("|".join(parts), flags.pop()), tags
+
+
+def _joined_rules() -> dict[str, tuple[re.Pattern[str], dict[int | None, str]] | None]:
+    joined: dict[str, tuple[re.Pattern[str], dict[int | None, str]] | None] = {}
+    for first, rules in _SCALARS.yaml_implicit_resolvers.items():
+        if first:
+            try:
+                joined[first] = _one_rule(rules)
+            except (ValueError, re.error):
+                joined[first] = None
+    return joined
+
+
+_RULES = _joined_rules()
+"""``_one_rule`` by first character; None where ``resolve`` must decide."""
 
 
 def _plain(text: str) -> object:
     """What PyYAML makes of an untagged plain scalar, or ``_DECLINE``."""
-    if text and text[0] not in _RESOLVED_FIRST and not _RESOLVE_ALL:
-        return text  # Half of a state's names: no resolver to ask.
-    tag = _SCALARS.resolve(ScalarNode, text, (True, False))
+    if text and not _RESOLVE_ALL:
+        rule = _RULES.get(text[0], _MISSING)
+        if rule is _MISSING:
+            return text  # Half of a state's names: no resolver to ask.
+        if rule is not None:
+            match = rule[0].match(text)
+            tag = _STR_TAG if match is None else rule[1][match.lastindex]
+        else:
+            tag = _SCALARS.resolve(ScalarNode, text, (True, False))
+    else:
+        tag = _SCALARS.resolve(ScalarNode, text, (True, False))
     if tag == _STR_TAG:
         return text
     construct = _PLAIN_CONSTRUCTORS.get(tag)
@@ -1161,21 +1551,27 @@ _QUOTED = r"'[^'\n]*(?:''[^'\n]*)*'|\"[^\"\\\n]*\""
 _VALUE = rf"{_PLAIN_VALUE}|{_QUOTED}|\{{\}}|\[\]"
 _SUBSET_LINE = re.compile(rf"( *)(- +)?(?:({_PLAIN_KEY}|{_QUOTED}):(?: +({_VALUE}))?|({_VALUE})) *")
 """One content line: indent, ``- ``, and ``key:``, ``key: value`` or ``value``."""
+_SIMPLE_LINE = re.compile(r"( *)([A-Za-z][-A-Za-z0-9_./]*): ([A-Za-z0-9][-A-Za-z0-9_.]*)")
+"""The commonest line, ``  key: value`` with a plain word for each, three times cheaper
+to match. Its lines are ``_SUBSET_LINE`` lines, read into the same groups."""
 _MAX_KEY = 1000
 """libyaml and PyYAML refuse an implicit key longer than 1024 characters."""
 
 # What a line reads as, where it is not a plain value: ``{}`` and ``[]`` (a new
-# container each time they are used), ``key:`` (whatever block follows), a
-# blank or comment line, an item line that has no key.
+# container each time they are used), ``key:`` (whatever block follows), an
+# item line that has no key.
 _NEW_MAPPING: Any = object()
 _NEW_SEQUENCE: Any = object()
 _OPEN: Any = object()
-_SKIP: Any = object()
 _NO_KEY: Any = object()
 
-_Line = tuple[int, int, object, object]
-"""A content line, read: indent, width of its ``- `` (0 if none), key (``_NO_KEY`` for an
-item that is a scalar) and value."""
+_Line = tuple[int, int, int, object, object]
+"""A line, read: its shape (see ``_read_line``), indent, width of its ``- `` (0 if none),
+key (``_NO_KEY`` for an item that is a scalar) and value."""
+_SKIP_LINE: _Line = (-1, 0, 0, None, None)
+"""A blank or comment line."""
+_DECLINE_LINE: _Line = (-2, 0, 0, None, None)
+"""A line outside the subset."""
 
 
 def _scalar(text: str) -> object:
@@ -1192,84 +1588,101 @@ def _scalar(text: str) -> object:
     return _plain(text)
 
 
-def _read_line(line: str) -> _Line | Any:
-    """One line of the subset, read; ``_SKIP`` for blanks and comments, ``_DECLINE`` if not."""
-    content = line.lstrip(" ")
-    if not content or content[0] == "#":
-        return _SKIP
+def _read_line(line: str, scalars: dict[str, object]) -> _Line:
+    """One line of the subset, read; ``_SKIP_LINE`` for blanks and comments, ``_DECLINE_LINE``
+    if it is not in the subset.
+
+    ``scalars`` remembers what each key and value text means: keys (``name``,
+    ``nodePort``) repeat on thousands of distinct lines, and PyYAML's resolver
+    is most of a line's cost. Every answer is immutable, so sharing one is safe.
+
+    The first item of a reading is the line's *shape*: all of it that
+    ``_build`` looks at besides the key and value, as one int. Lines of equal
+    shapes build the same containers in the same places, so a document's
+    shapes decide its structure (``_compile``). The int is exact: no ``str``
+    is longer than ``sys.maxsize`` < 2**64, so the indent never reaches the
+    dash's bits.
+    """
+    match = _SIMPLE_LINE.fullmatch(line)  # Printable ASCII only, like the subset.
+    if match is not None:
+        # What the general case below does for this form, with what cannot
+        # happen left out: plain words, so ``_plain`` directly; no dash; a
+        # value that starts with a letter or digit is never a ``_NEW_*``.
+        indent_text, key, key_value = match.groups()
+        name = scalars.get(key, _MISSING)
+        if name is _MISSING:
+            name = scalars[key] = _plain(key)
+        value = scalars.get(key_value, _MISSING)
+        if value is _MISSING:
+            value = scalars[key_value] = _plain(key_value)
+        if type(name) is not str or value is _DECLINE or len(key) > _MAX_KEY:
+            return _DECLINE_LINE
+        indent = len(indent_text)
+        return indent << 3, indent, 0, name, value
+    if not (line.isascii() and line.isprintable()):
+        return _DECLINE_LINE  # ``_SUBSET_UNSAFE``, faster: a line holds no LF.
     match = _SUBSET_LINE.fullmatch(line)
     if match is None:
-        return _DECLINE
-    indent_text, dash, key, key_value, item = match.groups()
+        content = line.lstrip(" ")
+        return _SKIP_LINE if not content or content[0] == "#" else _DECLINE_LINE
+    indent_text, dash_text, key, key_value, item = match.groups()
+    indent = len(indent_text)
+    dash = len(dash_text) if dash_text else 0
     if key is None:
-        value = _scalar(item)
-        if value is _DECLINE or not dash:
-            return _DECLINE  # A scalar on a line of its own continues a multi-line one.
-        return len(indent_text), len(dash), _NO_KEY, value
-    if len(key) > _MAX_KEY:
-        return _DECLINE
-    name = _scalar(key)
-    if type(name) is not str:
-        return _DECLINE  # ``1:``, ``true:``, ``<<:``: PyYAML builds those.
-    value = _OPEN if key_value is None else _scalar(key_value)
+        if not dash:
+            return _DECLINE_LINE  # A scalar on a line of its own continues a multi-line one.
+        name = _NO_KEY
+        value = scalars.get(item, _MISSING)
+        if value is _MISSING:
+            value = scalars[item] = _scalar(item)
+    else:
+        if len(key) > _MAX_KEY:
+            return _DECLINE_LINE
+        name = scalars.get(key, _MISSING)
+        if name is _MISSING:
+            name = scalars[key] = _scalar(key)
+        if type(name) is not str:
+            return _DECLINE_LINE  # ``1:``, ``true:``, ``<<:``: PyYAML builds those.
+        if key_value is None:
+            value = _OPEN
+        else:
+            value = scalars.get(key_value, _MISSING)
+            if value is _MISSING:
+                value = scalars[key_value] = _scalar(key_value)
     if value is _DECLINE:
-        return _DECLINE
-    return len(indent_text), len(dash or ""), name, value
+        return _DECLINE_LINE
+    kind = (
+        1 if value is _OPEN else 2 if value is _NEW_MAPPING else 3 if value is _NEW_SEQUENCE else 0
+    )
+    shape = (dash << 64 | indent) << 3 | (name is _NO_KEY) << 2 | kind
+    return shape, indent, dash, name, value
 
 
-def _read_subset(chunk: str, lines: dict[str, _Line | Any]) -> list[object] | None:
-    """The documents of ``chunk`` if it is in the block-style subset, else None.
-
-    The subset is what YAML printers emit for Kubernetes objects: a root
-    mapping at column 0; ``key: value`` and ``key:`` lines; ``- `` items at
-    or beyond their key's column; single-line scalars, ``{}`` and ``[]``;
-    blank and comment lines. Every line must fit (``_SUBSET_LINE``) and sit
-    at a column that opens, continues or closes a block exactly as YAML's
-    indentation rules say; whatever does not is declined, never guessed, so
-    an error is always PyYAML's to report.
-
-    ``lines`` caches each line's reading by its text: in a state most lines
-    repeat verbatim from one object to the next (``    protocol: TCP``), so
-    most of them cost one dict lookup instead of a regex and a resolver.
+def _build(reads: list[_Line]) -> Any:
+    """The root mapping that the lines of one document spell, None if they hold no
+    content, or ``_DECLINE``.
 
     The block being filled is ``(column, container, is_sequence)`` in
     locals, the blocks around it on ``stack``. ``pending`` is a ``key:``
     whose value is whatever block the next line opens, or null if none.
     """
-    if _SUBSET_UNSAFE.search(chunk):
-        return None
-    docs: list[object] = []
-    body = chunk
-    if chunk.startswith("---") and chunk[3:4] in ("", " ", "\n"):
-        marker, _, body = chunk.partition("\n")
-        rest = marker[3:].lstrip(" ")
-        if rest and rest[0] != "#":
-            return None  # Content on the marker line.
-        docs.append(None)
     stack: list[tuple[int, Any, bool]] = []
     column, block, in_sequence = 0, cast(Any, None), False
+    root: Any = None
     pending: object = None
-    for line in body.split("\n"):
-        read = lines.get(line)
-        if read is None:
-            read = lines[line] = _read_line(line)
-        if read is _SKIP:
-            continue
-        if read is _DECLINE:
-            return None
-        indent, dash, key, value = read
+    for shape, indent, dash, key, value in reads:
+        if shape < 0:
+            if shape == -1:
+                continue  # _SKIP_LINE
+            return _DECLINE
         if value is _NEW_MAPPING:
             value = {}
         elif value is _NEW_SEQUENCE:
             value = []
         if block is None:
             if dash or key is _NO_KEY or indent:
-                return None  # Only a mapping at column 0 can be a Kubernetes object.
-            block = {}
-            if docs:
-                docs[0] = block
-            else:
-                docs.append(block)
+                return _DECLINE  # Only a mapping at column 0 can be a Kubernetes object.
+            root = block = {}
         else:
             if pending is not None:
                 if (indent >= column) if dash else (indent > column):
@@ -1282,13 +1695,13 @@ def _read_subset(chunk: str, lines: dict[str, _Line | Any]) -> list[object] | No
             # sequence at its own column when the line is not an item.
             while column > indent or (in_sequence and column == indent and not dash):
                 if not stack:
-                    return None
+                    return _DECLINE
                 column, block, in_sequence = stack.pop()
             if column != indent:
-                return None
+                return _DECLINE
             if dash:
                 if not in_sequence:
-                    return None
+                    return _DECLINE
                 if key is _NO_KEY:
                     block.append(value)
                     continue
@@ -1297,19 +1710,181 @@ def _read_subset(chunk: str, lines: dict[str, _Line | Any]) -> list[object] | No
                 stack.append((column, block, in_sequence))
                 column, block, in_sequence = indent + dash, opened, False
             elif in_sequence or key is _NO_KEY:
-                return None
+                return _DECLINE
         if value is _OPEN:
             block[key] = None
             pending = key
         else:
             block[key] = value
-    return docs
+    return root
+
+
+class _Slot:
+    """A name in ``_compile``'s program: ``k3`` and ``v3`` hold the key and value of line 3."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+
+class _TooDeep(Exception):
+    """Nesting Python's compiler might refuse; such a shape stays with ``_build``."""
+
+
+_MAX_COMPILED_DEPTH = 50
+"""CPython's parser gives up at 200 nested brackets; no Kubernetes object nears 50."""
+_MAX_COMPILED_LINES = 5000
+"""Beyond this a document is rarely repeated, and its program would be slow to compile."""
+
+
+def _source(node: object, depth: int) -> str:
+    """The Python expression that builds ``node``, a tree of ``_Slot`` leaves."""
+    if type(node) is _Slot:
+        return node.source
+    if node is None:
+        return "None"
+    if depth > _MAX_COMPILED_DEPTH:
+        raise _TooDeep
+    if type(node) is dict:
+        entries = (f"{_source(k, depth)}: {_source(v, depth + 1)}" for k, v in node.items())
+        return "{" + ", ".join(entries) + "}"
+    return "[" + ", ".join(_source(v, depth + 1) for v in cast(list[object], node)) + "]"
+
+
+def _compile(reads: list[_Line]) -> Callable[[list[_Line]], Any]:
+    """``_build`` for every document of the same shapes as ``reads``, as one expression.
+
+    ``_build`` runs once on stand-ins (``_Slot``) for the keys and values; the
+    tree it returns, written out as nested dict and list displays, builds the
+    same containers in C with no per-line branches; the readings come in by
+    one unpacking of the whole list, cheaper than subscripts. Duplicate keys
+    behave as in ``_build``: a display stores its entries in order, exactly
+    like ``block[key] = value`` (first position, last value). The source
+    holds only brackets and generated names, never text from the document.
+    """
+    stand_ins = [
+        read
+        if read[0] < 0
+        else (
+            read[0],
+            read[1],
+            read[2],
+            read[3] if read[3] is _NO_KEY else _Slot(f"k{i}"),
+            read[4]
+            if read[4] is _OPEN or read[4] is _NEW_MAPPING or read[4] is _NEW_SEQUENCE
+            else _Slot(f"v{i}"),
+        )
+        for i, read in enumerate(reads)
+    ]
+    tree = _build(stand_ins)
+    if tree is _DECLINE or len(reads) > _MAX_COMPILED_LINES:
+        return _build
+    unpack = ", ".join(
+        "_" if read[0] < 0 else f"(_, _, _, k{i}, v{i})" for i, read in enumerate(reads)
+    )
+    namespace: dict[str, Any] = {}
+    try:
+        exec(f"def build(r):\n    {unpack}, = r\n    return {_source(tree, 0)}\n", namespace)
+    except (_TooDeep, SyntaxError, RecursionError, MemoryError):
+        return _build
+    return cast(Callable[[list[_Line]], Any], namespace["build"])
+
+
+_COMPILE_AFTER = 100
+"""Sightings of a document shape that ``_build`` reads before it is compiled.
+
+Compiling a 25-line document costs about 90 readings by ``_build`` and saves
+three quarters of each later one, so it pays back after about 120; waiting
+for 100 first means a shape never costs much more than twice what ``_build``
+alone would have (rent, then buy), and one seen once (a ``kind: List``) costs
+nothing extra."""
+_SHAPE = itemgetter(0)
+
+
+def _read_subset(
+    chunk: str,
+    lines: dict[str, _Line],
+    scalars: dict[str, object] | None = None,
+    shapes: dict[tuple[int, ...], Any] | None = None,
+) -> list[object] | None:
+    """The documents of ``chunk`` if it is in the block-style subset, else None.
+
+    The subset is what YAML printers emit for Kubernetes objects: a root
+    mapping at column 0; ``key: value`` and ``key:`` lines; ``- `` items at
+    or beyond their key's column; single-line scalars, ``{}`` and ``[]``;
+    blank and comment lines. Every line must fit (``_SUBSET_LINE``) and sit
+    at a column that opens, continues or closes a block exactly as YAML's
+    indentation rules say (``_build``); whatever does not is declined, never
+    guessed, so an error is always PyYAML's to report.
+
+    ``lines`` caches each line's reading by its text: in a state most lines
+    repeat verbatim from one object to the next (``    protocol: TCP``), so
+    most of them cost one dict lookup instead of a regex and a resolver.
+    ``scalars`` does the same for keys and values (see ``_read_line``). A
+    character outside the subset (``_SUBSET_UNSAFE``) is caught line by line
+    too, so only new lines are ever scanned for one.
+
+    ``shapes`` counts the documents of each shape, the tuple of their lines'
+    shapes (see ``_read_line``): thousands of Services print alike, apart
+    from names and numbers. A shape seen ``_COMPILE_AFTER`` times is compiled
+    (``_compile``) and its program builds every later document of that shape.
+    Without ``scalars`` and ``shapes`` the call shares neither.
+    """
+    texts = chunk.split("\n")
+    marked = chunk.startswith("---") and chunk[3:4] in ("", " ", "\n")
+    if marked:
+        rest = texts[0][3:].lstrip(" ")
+        if rest and (rest[0] != "#" or _SUBSET_UNSAFE.search(rest)):
+            return None  # Content on the marker line, or a comment the subset cannot hold.
+        del texts[0]
+    # No ``cast`` here or below: it is a call, and this runs for every document.
+    reads: list[Any] = list(map(lines.get, texts))
+    if not all(reads):  # A reading is a non-empty tuple: some line is new.
+        if scalars is None:
+            scalars = {}
+        for i in compress(range(len(reads)), map(not_, reads)):
+            text = texts[i]
+            read = lines.get(text)  # It may repeat within the chunk.
+            if read is None:
+                read = lines[text] = _read_line(text, scalars)
+            reads[i] = read
+    if shapes is None:
+        root = _build(reads)
+    else:
+        shape = tuple(map(_SHAPE, reads))
+        program = shapes.get(shape, 0)
+        if type(program) is int:
+            if program + 1 < _COMPILE_AFTER:
+                shapes[shape] = program + 1
+                root = _build(reads)
+            else:
+                program = shapes[shape] = _compile(reads)
+                root = program(reads)
+        else:
+            root = program(reads)
+    if root is _DECLINE:
+        return None
+    if marked:
+        return [root]  # A marker starts a document, empty or not.
+    return [] if root is None else [root]
+
+
+class _Memo(NamedTuple):
+    """What the new chunks of one parse share: the subset reader's memos (see
+    ``_read_subset``) and the judge's (see ``_quick_slice``)."""
+
+    lines: dict[str, _Line]
+    scalars: dict[str, object]
+    shapes: dict[tuple[int, ...], Any]
+    interned: _Interned
 
 
 # Chunks.
 
 _MARKER = re.compile(r"\n(?=---(?:[ \t\r\n]|\Z))")
 """The line break before a document marker line."""
+_END = methodcaller("end")
 _UNUSUAL_BREAK = re.compile("[\x85\u2028\u2029]")
 _NON_PRINTABLE = re.compile("[^\t\n\r -~\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 """What YAML's reader refuses, anywhere in a stream."""
@@ -1329,7 +1904,8 @@ def _split(text: str, start: int, end: int) -> list[tuple[int, str]]:
 
     ``start`` and ``end`` must themselves be chunk boundaries.
     """
-    cuts = [start, *(m.start() + 1 for m in _MARKER.finditer(text, start, end)), end]
+    # A match is the line break itself, so its end is where the marker line starts.
+    cuts = [start, *map(_END, _MARKER.finditer(text, start, end)), end]
     return [(a, text[a:b]) for a, b in pairwise(cuts) if a < b]
 
 
@@ -1347,6 +1923,23 @@ def _unusual(chunk: str, first: bool) -> bool:
         return True
     return not chunk.isascii() and (
         "\ufeff" in (chunk[1:] if first else chunk) or _UNUSUAL_BREAK.search(chunk) is not None
+    )
+
+
+def _usual(text: str, start: int, end: int) -> bool:
+    """Whether no chunk of ``text[start:end]`` can be ``_unusual``, in a few scans of it all.
+
+    Every pattern ``_unusual`` looks for lies inside one chunk (a chunk ends
+    with the line break before a marker), so a run without any has no
+    unusual chunk. False only means "ask each chunk": a non-ASCII text
+    (``isascii`` is a flag, free to read) or a CR anywhere is left to it.
+    """
+    return (
+        text.isascii()
+        and text.find("\n...", start, end) < 0
+        and text.find("\n%", start, end) < 0
+        and text.find("\r", start, end) < 0
+        and not (start == 0 and text.startswith(("...", "%")))
     )
 
 
@@ -1437,7 +2030,7 @@ class StateParser:
                 stats.mode = "whole"
                 docs = _load_all(text)
                 stats.pyyaml = len(docs)
-                return _link(map(_judge, docs), generation)
+                return _link(map(_judge, docs, repeat({})), generation)
             return self._linker.snapshot(generation)
 
     def _update(self, text: str, stats: ParseStats) -> None:
@@ -1478,13 +2071,14 @@ class StateParser:
         end = starts[stop] + delta
 
         known = dict(zip(texts[first:stop], self._linker.chunks[first:stop], strict=True))
-        lines: dict[str, Any] = {}
+        memo = _Memo({}, {}, {}, {})
+        usual = _usual(text, pos, end)
         middle = _split(text, pos, end)
         verdicts: list[tuple[_Verdict, ...]] = []
         for start, chunk in middle:
-            verdict = known.get(chunk)
+            verdict = known.get(chunk) if known else None
             if verdict is None:
-                verdict = self._decode(text, start, chunk, lines, stats)
+                verdict = self._decode(text, start, chunk, memo, stats, usual)
             else:
                 stats.reused += 1
             verdicts.append(verdict)
@@ -1500,26 +2094,31 @@ class StateParser:
 
     @staticmethod
     def _decode(
-        text: str, start: int, chunk: str, lines: dict[str, Any], stats: ParseStats
+        text: str, start: int, chunk: str, memo: _Memo, stats: ParseStats, usual: bool
     ) -> tuple[_Verdict, ...]:
-        """Decode and judge one new chunk, which starts at ``text[start]``."""
-        if _unusual(chunk, start == 0):
+        """Decode and judge one new chunk, which starts at ``text[start]``.
+
+        ``usual`` says ``_usual`` vouched for every chunk around it already.
+        """
+        if not usual and _unusual(chunk, start == 0):
             raise _Whole
-        docs = _read_subset(chunk, lines)
-        if docs is None:
-            stats.pyyaml += 1
-            try:
-                docs = list(yaml.load_all(chunk, Loader=_LOADER))
-            except yaml.MarkedYAMLError:
-                raise _chunk_error(text, start, start + len(chunk)) from None
-            except yaml.YAMLError:
-                raise _Whole from None
-        else:
+        docs = _read_subset(chunk, memo.lines, memo.scalars, memo.shapes)
+        if docs is not None:
+            # The subset reader never reads a marker chunk as other than one
+            # document, nor a leading chunk as more than one.
             stats.subset += 1
+            return (_judge(docs[0], memo.interned),) if docs else ()
+        stats.pyyaml += 1
+        try:
+            docs = list(yaml.load_all(chunk, Loader=_LOADER))
+        except yaml.MarkedYAMLError:
+            raise _chunk_error(text, start, start + len(chunk)) from None
+        except yaml.YAMLError:
+            raise _Whole from None
         # A marker chunk is one document; a leading chunk is one or none.
         if len(docs) != 1 if _starts_with_marker(chunk) else len(docs) > 1:
             raise _Whole
-        return tuple(map(_judge, docs))
+        return tuple(map(_judge, docs, repeat(memo.interned)))
 
 
 def parse_objects(documents: Iterable[object], generation: int = 0) -> Snapshot:
@@ -1530,7 +2129,7 @@ def parse_objects(documents: Iterable[object], generation: int = 0) -> Snapshot:
     (JSON from an API server, tests).
     """
     with gc_paused():
-        return _link(map(_judge, documents), generation)
+        return _link(map(_judge, documents, repeat({})), generation)
 
 
 def parse_state(text: str, generation: int = 0) -> Snapshot:
