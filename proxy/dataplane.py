@@ -42,7 +42,7 @@ from proxy import metrics, synfilter
 from proxy.balancer import Balancer
 from proxy.decision import PlanCache, PortPlan, build_plans
 from proxy.forwarder import Forwarder, PortMetrics, PortState
-from proxy.listener import Listener
+from proxy.listener import AcceptSet, Listener
 from proxy.model import Snapshot
 from proxy.transparent import RoutingConfig, TransparentRouting, transparent_capable
 
@@ -149,6 +149,8 @@ class Dataplane:
             # A supervisor installed the namespace's return path for all its
             # workers; this process only needs the socket option.
             transparent_ok = transparent_capable() is None
+        self.accept_set = AcceptSet(self.loop)
+        """Every listener's socket, polled as one (listener.py says why)."""
         self.forwarder = Forwarder(
             loop,
             connect_timeout=connect_timeout,
@@ -297,6 +299,7 @@ class Dataplane:
             return
         self._closed = True
         self._close_listeners()
+        self.accept_set.close()
         self.forwarder.close()
         if self._routing is not None:
             self._routing.remove()
@@ -361,7 +364,7 @@ class Dataplane:
                         self.loop, addr, port, self.forwarder.on_accept,
                         admit=self.forwarder.has_capacity, on_blocked=self._on_blocked,
                         backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
-                        steer_workers=steer,
+                        steer_workers=steer, accept_set=self.accept_set,
                     )
                     lis.open(program)
                     self._listeners[key] = lis

@@ -35,6 +35,11 @@ connection.
 
 The listening socket carries TCP_NODELAY: accepted sockets inherit it,
 which saves the relay one setsockopt per connection.
+
+A dataplane's listeners share one ``AcceptSet``: a private epoll set the
+event loop watches as a single reader. ``loop.add_reader`` per listener
+made a uvloop handle and poll object for each, 6.5 µs, against 1.8 µs for
+an ``epoll.register``: a tenth of applying 10,000 services.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import select
 import socket
 from collections.abc import Callable
 
@@ -58,6 +64,56 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.EN
 
 OnAccept = Callable[[socket.socket, tuple[str, int], int], None]
 """``on_accept(sock, (client_ip, client_port), node_port)``."""
+
+
+class AcceptSet:
+    """The listening sockets of one dataplane, in one epoll set the loop watches.
+
+    Level-triggered, like ``add_reader``: a listener that left connections
+    in its queue (``ACCEPT_BATCH``) is reported again on the next poll.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._ep: select.epoll | None = None
+        self._callbacks: dict[int, Callable[[], None]] = {}
+
+    def watch(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever ``fd`` is readable. Raises OSError."""
+        ep = self._ep
+        if ep is None:
+            ep = self._ep = select.epoll()
+            self.loop.add_reader(ep.fileno(), self._poll)
+        ep.register(fd, select.EPOLLIN)
+        self._callbacks[fd] = callback
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd``; call before closing it."""
+        if self._callbacks.pop(fd, None) is not None and self._ep is not None:
+            self._ep.unregister(fd)
+
+    def _poll(self) -> None:
+        ep = self._ep
+        if ep is None:
+            return
+        callbacks = self._callbacks
+        for fd, _ in ep.poll(0):
+            callback = callbacks.get(fd)  # None: unwatched earlier in this batch
+            if callback is None:
+                continue
+            try:
+                callback()
+            except Exception:
+                # One listener's bug must not starve the others of accepts.
+                log.exception("accepting on fd %d failed", fd)
+
+    def close(self) -> None:
+        """Release the epoll set; every listener must be closed already. Idempotent."""
+        self._callbacks.clear()
+        if self._ep is not None:
+            self.loop.remove_reader(self._ep.fileno())
+            self._ep.close()
+            self._ep = None
 
 
 class Listener:
@@ -81,8 +137,11 @@ class Listener:
         reuse_port: bool = False,
         label: str = "",
         steer_workers: int = 0,
+        accept_set: AcceptSet | None = None,
     ) -> None:
         self.loop = loop
+        self._accept_set = accept_set
+        """Where the socket is watched; None: on the loop itself (``add_reader``)."""
         self.address = address
         self.port = port
         self.label = label
@@ -198,13 +257,25 @@ class Listener:
 
     def _start_reading(self) -> None:
         if self._sock is not None and not self._reading:
-            self.loop.add_reader(self._fd, self._on_readable)
+            try:
+                if self._accept_set is not None:
+                    self._accept_set.watch(self._fd, self._on_readable)
+                else:
+                    self.loop.add_reader(self._fd, self._on_readable)
+            except OSError as exc:  # no fd or memory for the epoll set
+                # The socket keeps listening (the kernel queues clients):
+                # back off and try again, like a failed accept.
+                self._accept_failed(exc)
+                return
             self._reading = True
 
     def _stop_reading(self) -> None:
         if self._reading:
-            # Before close(): libuv must stop polling an fd before it is freed.
-            self.loop.remove_reader(self._fd)
+            # Before close(): nothing may poll an fd once it is freed.
+            if self._accept_set is not None:
+                self._accept_set.unwatch(self._fd)
+            else:
+                self.loop.remove_reader(self._fd)
             self._reading = False
 
     def _cancel_resume(self) -> None:

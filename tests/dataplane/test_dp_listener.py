@@ -329,3 +329,51 @@ def test_emfile_backs_off_without_spinning_then_recovers(tmp_path: Path, backend
     episodes = logs.count("accept failed")
     assert 1 <= episodes <= 2, logs  # once per listener that hit it, not per attempt
     assert "Too many open files" in logs and "backing off" in logs
+
+
+@pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
+def test_accept_set_serves_many_listeners_and_forgets_closed_ones(loop_kind: str) -> None:
+    """One epoll set for every listener: each accepts its own clients; a closed one
+    leaves the set, and the others keep accepting."""
+    from proxy.listener import AcceptSet
+
+    got: dict[int, int] = {}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        accept_set = AcceptSet(loop)
+        ports = [free_port() for _ in range(3)]
+
+        def on_accept(sock: socket.socket, addr: tuple[str, int], node_port: int) -> None:
+            got[node_port] = got.get(node_port, 0) + 1
+            sock.close()
+
+        listeners = [Listener(loop, "127.0.0.1", p, on_accept, accept_set=accept_set)
+                     for p in ports]
+        for lis in listeners:
+            lis.open()
+
+        async def dial(port: int, n: int) -> None:
+            want = got.get(port, 0) + n
+            for _ in range(n):
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            for _ in range(300):
+                if got.get(port, 0) >= want:
+                    return
+                await asyncio.sleep(0.01)
+
+        try:
+            for i, p in enumerate(ports):
+                await dial(p, i + 1)
+            assert got == {ports[0]: 1, ports[1]: 2, ports[2]: 3}
+            listeners[1].close()
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", ports[1]), timeout=2)
+            await dial(ports[2], 2)
+            assert got == {ports[0]: 1, ports[1]: 2, ports[2]: 5}
+        finally:
+            for lis in listeners:
+                lis.close()
+            accept_set.close()
+
+    run_on(loop_kind, scenario)
