@@ -77,6 +77,18 @@ def _tw_snapshot(topo: Topology, roles: tuple[str, ...]) -> dict[str, int]:
     return {r: topo.thread(r).call(count_states).get("TIME_WAIT", 0) for r in roles}
 
 
+def _closing_snapshot(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Sockets per role still closing (any state but LISTEN, ESTABLISHED, TIME_WAIT).
+
+    A new connection whose 4-tuple meets one of these is answered with an ACK,
+    not a SYN-ACK, and waits a SYN retransmission (1 s): a few of them collapse
+    a connection rate the way TIME_WAIT collisions do.
+    """
+    skip = {"LISTEN", "ESTABLISHED", "TIME_WAIT"}
+    return {r: {st: n for st, n in topo.thread(r).call(count_states).items() if st not in skip}
+            for r in roles}
+
+
 def _node1_sysctl_int(topo: Topology, key: str) -> int | None:
     cp = topo.run("node1", ["sysctl", "-n", key], check=False)
     try:
@@ -180,8 +192,10 @@ def cps(topo: Topology, c: Contender, s: Settings) -> Run:
     pod = "pod1" if c.path == "local" else "pod2"
     roles = ("client", "node1", pod)
     before = _tw_snapshot(topo, roles)
+    closing = _closing_snapshot(topo, roles)
     run = _wrk(topo, c, s, "cps")
     run.detail["time_wait_before"] = before
+    run.detail["closing_before"] = closing
     run.detail["time_wait_after"] = _tw_snapshot(topo, roles)
     if isinstance(c, Kernel):
         count, limit = _conntrack_count(topo), _conntrack_max(topo)
