@@ -187,12 +187,12 @@ class Listener:
         The filter goes on before ``listen()`` so no external SYN can slip
         through in between.
         """
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # SOCK_NONBLOCK: non-blocking from birth, one syscall fewer per listener.
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if self._reuse_port:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.setblocking(False)
             # Accepted sockets inherit TCP_NODELAY: a relay must not add
             # Nagle delays to what it forwards, and this saves a setsockopt
             # per connection.
