@@ -8,13 +8,15 @@ namespace, so nothing is routed and no firewall is touched), with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import uvloop
 from dpkit import state_yaml
 
+from proxy.dataplane import Dataplane
 from proxy.k8s import parse_state
 from proxy.model import Snapshot
 
@@ -47,3 +49,14 @@ def run_on(kind: str, fn: Callable[[], Awaitable[None]], timeout: float = 30.0) 
         uvloop.run(bounded())
     else:
         asyncio.run(bounded())
+
+
+@contextlib.asynccontextmanager
+async def serving(snapshot: Snapshot, **kwargs: Any) -> AsyncIterator[Dataplane]:
+    """A Dataplane for ``NODE`` on the running loop, applied to ``snapshot``, always closed."""
+    dp = Dataplane(NODE, loop=asyncio.get_running_loop(), **kwargs)
+    try:
+        dp.apply(snapshot)
+        yield dp
+    finally:
+        dp.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from dpkit import Driver, cpu_seconds, endpoint_slice, node, service, ss_listening, wait_for
-from dploop import NODE, NODE_IP, free_port, run_on, snap
+from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
 from proxy.dataplane import Dataplane, listen_addresses
 from proxy.listener import Listener
@@ -58,9 +58,7 @@ def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backe
     a, b = free_port(), free_port()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        try:
-            dp.apply(snap(*web(a, be.port)))
+        async with serving(snap(*web(a, be.port))) as dp:
             # One wildcard socket serves the node IP and 127.0.0.1 alike.
             assert dp.listeners() == [("0.0.0.0", a, "serving")]
             (line,) = ss_listening(a)
@@ -78,8 +76,6 @@ def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backe
             assert ss_listening(a) == [] and ss_listening(b) == []
             with pytest.raises(ConnectionRefusedError):
                 await asyncio.to_thread(peer_name, b)
-        finally:
-            dp.close()
         assert ss_listening(b) == []
 
     run_on(loop_kind, scenario)
@@ -90,9 +86,7 @@ def test_no_usable_endpoint_means_no_listener_and_econnrefused(backends) -> None
     np_ = free_port()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        try:
-            dp.apply(snap(*web(np_, be.port, ready=False)))  # unready, not serving
+        async with serving(snap(*web(np_, be.port, ready=False))) as dp:  # unready, not serving
             assert dp.listeners() == []
             assert ss_listening(np_) == []
             t0 = time.monotonic()
@@ -101,8 +95,6 @@ def test_no_usable_endpoint_means_no_listener_and_econnrefused(backends) -> None
             assert time.monotonic() - t0 < 0.5, "REJECT is immediate, not a timeout"
             dp.apply(snap(*web(np_, be.port), generation=2))
             assert await asyncio.to_thread(peer_name, np_) == "b"
-        finally:
-            dp.close()
 
     run_on("uvloop", scenario)
 

@@ -19,7 +19,7 @@ import time
 import dp_backend
 import pytest
 from dpkit import endpoint_slice, node, service
-from dploop import NODE, NODE_IP, free_port, run_on, snap
+from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
 from proxy import metrics
 from proxy.dataplane import Dataplane
@@ -69,15 +69,11 @@ def test_halfclose_64mib_upload_sha_intact(loop_kind: str, backends) -> None:
             return read_all(s).decode()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
             answer = await asyncio.to_thread(client)
             assert answer.split() == [digest, str(64 * MiB)]
             await asyncio.sleep(0.05)
             assert dp.active_connections() == 0, "the half-closed pair must be closed"
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -107,15 +103,11 @@ def test_halfclose_echo_and_download_intact(loop_kind: str, backends) -> None:
     expected = hashlib.sha256(b"".join(dp_backend.pattern_stream(n))).hexdigest()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
             assert await asyncio.to_thread(echo) == payload
             assert await asyncio.to_thread(download) == expected
             await asyncio.sleep(0.05)
             assert dp.active_connections() == 0
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -154,14 +146,10 @@ def test_both_directions_congested_at_once_lose_nothing(loop_kind: str, backends
             return got
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
             got = await asyncio.to_thread(client)
             assert got[:n] == expected
             assert got[n:] == f"{n}\n".encode()
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario, timeout=60)
 
@@ -182,12 +170,8 @@ def test_backend_rst_resets_client(loop_kind: str, backends) -> None:
             return f"got {data!r}"
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
             assert await asyncio.to_thread(client) == "reset"
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -204,17 +188,13 @@ def test_client_rst_resets_backend(loop_kind: str, backends) -> None:
         s.close()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
             await asyncio.to_thread(client)
             for _ in range(100):
                 if be.events:
                     break
                 await asyncio.sleep(0.02)
             assert be.events == [("ECHO", "reset")]
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -229,12 +209,8 @@ def test_upstream_close_is_a_fin_not_a_reset(loop_kind: str, backends) -> None:
             return read_all(s)  # EOF, not ConnectionResetError
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
             assert len(await asyncio.to_thread(client)) == 1000
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -253,14 +229,10 @@ def test_refused_endpoint_retried_on_another(loop_kind: str, backends, caplog) -
             return read_all(s).decode().split()[0]
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
         # 127.0.0.5 has nothing on that port: ECONNREFUSED, sorted first.
-        dp.apply(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.9")))
-        try:
+        async with serving(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.9"))):
             names = [await asyncio.to_thread(client) for _ in range(4)]
             assert names == ["good"] * 4
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
     assert counter(metrics.UPSTREAM_CONNECT_FAILURES, key) - failures0 >= 2
@@ -287,14 +259,10 @@ def test_every_endpoint_refused_resets_client(loop_kind: str) -> None:
             return "reset"
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.6")))
-        try:
+        async with serving(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.6"))) as dp:
             assert await asyncio.to_thread(client) == "reset"
             await asyncio.sleep(0.02)
             assert dp.active_connections() == 0
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
     assert counter(metrics.CONNECTIONS_REJECTED, "default/web") - rejected0 == 1
@@ -329,9 +297,7 @@ def test_backpressure_slow_backend_bounds_memory(loop_kind: str, backends) -> No
             stop.wait(5)
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
             t = asyncio.ensure_future(asyncio.to_thread(client))
             worst = 0
             last, still = -1, 0.0
@@ -348,8 +314,6 @@ def test_backpressure_slow_backend_bounds_memory(loop_kind: str, backends) -> No
             assert worst <= BUFFER_BOUND, worst
             stop.set()
             await t
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -370,9 +334,7 @@ def test_backpressure_slow_client_bounds_memory_and_loses_nothing(
             return len(read_all(s))
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
             t = asyncio.ensure_future(asyncio.to_thread(client))
             worst = 0
             for _ in range(50):
@@ -381,8 +343,6 @@ def test_backpressure_slow_client_bounds_memory_and_loses_nothing(
             assert worst <= BUFFER_BOUND, worst
             go.set()
             assert await t == n
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -406,9 +366,7 @@ def test_drain_waits_for_live_connections_then_resets_the_rest(loop_kind: str, b
                 result.append("reset")
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
             t = asyncio.ensure_future(asyncio.to_thread(drip))
             await asyncio.sleep(0.1)
             await dp.stop_accepting()
@@ -435,8 +393,6 @@ def test_drain_waits_for_live_connections_then_resets_the_rest(loop_kind: str, b
             assert result == ["reset"]
             assert dp2.active_connections() == 0
             dp2.close()
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -453,9 +409,8 @@ def test_affinity_survives_reload(loop_kind: str, backends) -> None:
             return read_all(s).decode().split()[0]
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        try:
-            dp.apply(snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8", affinity=60)))
+        state = snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8", affinity=60))
+        async with serving(state) as dp:
             first = {await asyncio.to_thread(who) for _ in range(4)}
             assert len(first) == 1
             # An unrelated change is a new snapshot; the balancer must persist.
@@ -466,8 +421,6 @@ def test_affinity_survives_reload(loop_kind: str, backends) -> None:
             dp.apply(snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8"), generation=3))
             spread = {await asyncio.to_thread(who) for _ in range(4)}
             assert spread == {"a", "b"}
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
 
@@ -486,15 +439,11 @@ def test_metrics_count_bytes_once_at_close(loop_kind: str, backends) -> None:
             assert len(read_all(s)) == 5000
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
-        try:
+        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
             await asyncio.to_thread(client)
             await asyncio.sleep(0.05)
             assert metrics.REGISTRY.get_sample_value(
                 "kubeproxy_kpx_active_connections", {"service_port": key}) == 0
-        finally:
-            dp.close()
 
     run_on(loop_kind, scenario)
     assert counter(metrics.BYTES, key, "to_endpoint") - up0 == len(b"SEND 5000\n")
