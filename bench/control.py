@@ -165,7 +165,7 @@ class Control:
         text = self.state(n)
         time.sleep(0.3)
         t0 = self.write(text)
-        poll = 0.01 if n <= 2000 else 0.05
+        poll = 0.01
         ok, count = self.wait_count(n, lambda c: c >= n, poll)
         elapsed = time.monotonic() - t0
         detail: dict[str, Any] = {"services": n, "endpoints_per_service": len(self.eps),

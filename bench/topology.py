@@ -30,6 +30,7 @@ import ctypes
 import os
 import re
 import socket
+import struct
 import subprocess
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -386,17 +387,61 @@ def read_tcp_table() -> list[tuple[int, int, str]]:
 
 _LISTEN_RE = re.compile(rb"^\s*\d+: [0-9A-F]{8}:([0-9A-F]{4}) [0-9A-F]{8}:[0-9A-F]{4} 0A ", re.M)
 
+# sock_diag (linux/sock_diag.h, linux/inet_diag.h, linux/netlink.h).
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST_DUMP = 0x301
+_NLMSG_ERROR = 2
+_NLMSG_DONE = 3
+_TCP_LISTEN = 10
+_NLMSG_HDR = struct.Struct("=IHHII")
+_DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2, with an all-zero inet_diag_sockid
+_SPORT = _NLMSG_HDR.size + 4  # inet_diag_msg: family, state, timer, retrans, then sport (BE)
+
 
 def listening_ports() -> set[int]:
     """Ports with an IPv4 listener in the calling thread's netns.
 
-    A regex over the raw table rather than a per-line split: the control
-    workload polls this while kpx opens 10,000+ listeners, and the poll must
-    cost little CPU next to what it measures.
+    Asked of the kernel with one sock_diag dump of LISTEN sockets only: the
+    control workload polls this while kpx opens 10,000+ listeners, so the
+    poll must cost little next to what it measures, and come round often
+    (the apply figure overshoots by up to one poll). With 10,000 listeners
+    it takes about 16 ms, against 40 ms for formatting and scanning
+    ``/proc/net/tcp`` (the fallback, for a kernel without inet_diag) and a
+    second for pyroute2's ``DiagSocket``, which decodes every attribute.
     """
+    try:
+        return _diag_listening_ports()
+    except OSError:
+        return _proc_listening_ports()
+
+
+def _proc_listening_ports() -> set[int]:
     with open("/proc/thread-self/net/tcp", "rb") as f:
         data = f.read()
     return {int(m, 16) for m in _LISTEN_RE.findall(data)}
+
+
+def _diag_listening_ports() -> set[int]:
+    # Made per call: a socket belongs to the netns of the thread that made it.
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
+        req = _DIAG_REQ.pack(socket.AF_INET, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN)
+        nl.send(_NLMSG_HDR.pack(_NLMSG_HDR.size + len(req), _SOCK_DIAG_BY_FAMILY,
+                                _NLM_F_REQUEST_DUMP, 1, 0) + req)
+        ports: set[int] = set()
+        while True:
+            data = nl.recv(1 << 20)
+            if not data:
+                raise OSError("sock_diag: the dump ended without NLMSG_DONE")
+            off, end = 0, len(data)
+            while off < end:
+                length, kind = struct.unpack_from("=IH", data, off)
+                if kind == _NLMSG_DONE:
+                    return ports
+                if kind == _NLMSG_ERROR or length < _SPORT + 2:
+                    raise OSError("sock_diag: the kernel refused the dump")
+                ports.add(int.from_bytes(data[off + _SPORT:off + _SPORT + 2], "big"))
+                off += (length + 3) & ~3
 
 
 def count_states() -> dict[str, int]:

@@ -1,0 +1,79 @@
+"""The topology's in-namespace probes, in a namespace of their own.
+
+``listening_ports`` is what the control workload's apply figure is timed
+by, so it must see exactly the listeners of the namespace its thread is in:
+not connected sockets, not the root namespace's, and the same set as the
+``/proc/net/tcp`` reading it replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from bench import topology
+from bench.topology import NsThread, listening_ports
+
+pytestmark = pytest.mark.lab
+
+
+@pytest.fixture
+def ns_thread() -> Iterator[NsThread]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    name = f"kbt{os.getpid() % 100000}-probe"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    thread = NsThread(name)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield thread
+    finally:
+        thread.close()
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def _sockets(listen_ports: list[int]) -> tuple[list[socket.socket], int]:
+    """Listeners on ``listen_ports`` plus one established pair; the pair's client port."""
+    socks = []
+    for port in listen_ports:
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen(4)
+        socks.append(s)
+    client = socket.create_connection(("127.0.0.1", listen_ports[0]))
+    server, _ = socks[0].accept()
+    socks += [client, server]
+    return socks, client.getsockname()[1]
+
+
+def test_listening_ports_is_exactly_this_namespaces_listeners(ns_thread: NsThread) -> None:
+    ports = [20001, 20002, 41234]
+    assert ns_thread.call(listening_ports) == set()
+    socks, client_port = ns_thread.call(_sockets, ports)
+    try:
+        seen = ns_thread.call(listening_ports)
+        assert seen == set(ports)
+        assert client_port not in seen
+        assert ns_thread.call(topology._proc_listening_ports) == seen
+        for s in socks[1:3]:
+            s.close()
+        assert ns_thread.call(listening_ports) == {20001}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_listening_ports_reads_a_dump_larger_than_one_message(ns_thread: NsThread) -> None:
+    # About 100 bytes per socket: 1,200 listeners need several recv()s' worth
+    # of netlink messages, so the multi-part dump is walked to NLMSG_DONE.
+    ports = list(range(30000, 31200))
+    socks, _ = ns_thread.call(_sockets, ports)
+    try:
+        assert ns_thread.call(listening_ports) == set(ports)
+    finally:
+        for s in socks:
+            s.close()
