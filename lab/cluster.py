@@ -62,6 +62,7 @@ from lab.controller import (
     stamp_trigger_times,
     state_documents,
 )
+from lab.loadbalancer import describe_error
 from lab.spec import LabSpec, PodSpec, service_key, service_ref
 from lab.statefile import write_atomic, write_state
 
@@ -84,8 +85,12 @@ class LabError(RuntimeError):
     """The lab could not do what was asked; the message says what and where to look."""
 
 
-class NoReply(ConnectionError):
-    """The peer closed the connection (FIN) before sending a complete reply."""
+class NoReply(ConnectionError, EOFError):
+    """The peer closed the connection (FIN) before sending a complete reply.
+
+    An EOFError too, so ``describe_error`` names it as the load balancer's
+    probes name the same thing: "closed without an answer".
+    """
 
 
 def default_run_dir(name: str = DEFAULT_NAME) -> Path:
@@ -757,7 +762,7 @@ class Lab:
         try:
             code, body = self.http_get(node, ip, port, path, timeout)
         except (OSError, ValueError) as exc:
-            return {"error": _short_error(exc)}
+            return {"error": describe_error(exc)}
         out: dict[str, Any] = {"status": code}
         try:
             out["body"] = json.loads(body)
@@ -1228,21 +1233,6 @@ def _can_connect(ns: str, ip: str, port: int) -> bool:
         return False
     finally:
         s.close()
-
-
-def _short_error(exc: BaseException) -> str:
-    """How a person names a failed probe: refused, timeout, reset, closed, ..."""
-    if isinstance(exc, ConnectionRefusedError):
-        return "refused"
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, ConnectionResetError):
-        return "reset"
-    if isinstance(exc, NoReply):
-        return "closed"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _http_ok(ns: str, ip: str, port: int, path: str) -> bool:

@@ -416,7 +416,11 @@ def now_iso() -> str:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A probe failure as a cloud console would show it: timeout, refused, reset..."""
+    """A probe failure as a cloud console would show it: timeout, refused, reset...
+
+    The one namer of failed probes: the load balancer's health checks and
+    ``kpx lab``'s own healthz probes use the same words.
+    """
     if isinstance(exc, TimeoutError):
         return "timeout"
     if isinstance(exc, ConnectionRefusedError):
@@ -427,6 +431,8 @@ def describe_error(exc: BaseException) -> str:
         return "unreachable"
     if isinstance(exc, asyncio.IncompleteReadError | EOFError):
         return "closed without an answer"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
     return f"error: {type(exc).__name__}: {exc}"
 
 

@@ -9,6 +9,7 @@ TCP servers on 127.0.0.1. The ``lab``-marked half drives real namespaces and
 from __future__ import annotations
 
 import asyncio
+import errno
 import struct
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 
 from lab import loadbalancer as lbm
 from lab import netns as lab_netns
+from lab.cluster import NoReply
 from lab.demos import wait_node_ports
 from lab.loadbalancer import Backend, Health, LBConfig, Probe, observe
 
@@ -230,6 +232,21 @@ async def test_probe_failures_are_named() -> None:
         assert await lbm.probe_once(_probe("http", port, 0.2), "127.0.0.1") == (False, "timeout")
     # The server is closed now: nothing listens on that port.
     assert await lbm.probe_once(_probe("tcp", port), "127.0.0.1") == (False, "refused")
+
+
+@pytest.mark.parametrize(("exc", "name"), [
+    (TimeoutError(), "timeout"),
+    (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), "refused"),
+    (ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"), "reset"),
+    (OSError(errno.EHOSTUNREACH, "No route to host"), "unreachable"),
+    (asyncio.IncompleteReadError(b"", 10), "closed without an answer"),
+    (NoReply("peer closed before the reply"), "closed without an answer"),
+    (OSError(errno.EMFILE, "Too many open files"), "too many open files"),
+    (ValueError("bad status line"), "error: ValueError: bad status line"),
+])
+def test_one_namer_for_every_probe_failure(exc: BaseException, name: str) -> None:
+    # The LB's health checks and ``kpx lab``'s healthz probes (NoReply) share it.
+    assert lbm.describe_error(exc) == name
 
 
 class RawBackend:
