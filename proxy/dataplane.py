@@ -309,8 +309,15 @@ class Dataplane:
     # -- reconciliation ----------------------------------------------------------
 
     def _swap_plans(self, plans: dict[int, PortPlan]) -> None:
+        # A plan that ``PlanCache`` handed back unchanged keeps its PortState:
+        # one endpoint change among 10,000 services rebuilds one, not 10,000.
+        before = self.forwarder.ports
         ports: dict[int, PortState] = {}
         for port, plan in plans.items():
+            state = before.get(port)
+            if state is not None and state.plan is plan:
+                ports[port] = state
+                continue
             key = plan.key
             balancer = self._balancers.get(key)
             if balancer is None:

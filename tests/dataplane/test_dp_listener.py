@@ -13,10 +13,20 @@ import time
 from pathlib import Path
 
 import pytest
-from dpkit import Driver, cpu_seconds, endpoint_slice, node, service, ss_listening, wait_for
+from dpkit import (
+    Driver,
+    cpu_seconds,
+    endpoint_slice,
+    node,
+    service,
+    ss_listening,
+    state_yaml,
+    wait_for,
+)
 from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
 from proxy.dataplane import Dataplane, listen_addresses
+from proxy.k8s import StateParser
 from proxy.listener import Listener
 
 
@@ -369,3 +379,29 @@ def test_accept_set_serves_many_listeners_and_forgets_closed_ones(loop_kind: str
             accept_set.close()
 
     run_on(loop_kind, scenario)
+
+
+def test_a_sync_keeps_the_port_state_of_every_unchanged_plan() -> None:
+    """One endpoint change rebuilds that port's table only; its balancer carries over."""
+    a_port, b_port = free_port(), free_port()
+    parser = StateParser()  # keeps unchanged objects, as a state source does
+
+    def state(b_endpoint: str, generation: int):  # type: ignore[no-untyped-def]
+        return parser.parse(state_yaml(
+            node(NODE, NODE_IP),
+            service("a", a_port, 9), endpoint_slice("a", 9, [("127.0.0.1", NODE)]),
+            service("b", b_port, 9), endpoint_slice("b", 9, [(b_endpoint, NODE)]),
+        ), generation)
+
+    async def scenario() -> None:
+        async with serving(state("127.0.0.1", 1)) as dp:
+            before = dict(dp.forwarder.ports)
+            dp.apply(state("127.0.0.3", 2))
+            after = dp.forwarder.ports
+            assert after[a_port] is before[a_port]
+            assert after[b_port] is not before[b_port]
+            assert after[b_port].plan.cluster[0].addr == ("127.0.0.3", 9)
+            assert after[b_port].balancer is before[b_port].balancer
+            assert after[b_port].metrics is before[b_port].metrics
+
+    run_on("uvloop", scenario)
