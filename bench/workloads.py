@@ -73,20 +73,27 @@ def _client(topo: Topology, argv: list[str], timeout: float
     return sh(topo.exec_argv("client", argv), check=False, timeout=timeout)
 
 
-def _tw_snapshot(topo: Topology, roles: tuple[str, ...]) -> dict[str, int]:
-    return {r: topo.thread(r).call(count_states).get("TIME_WAIT", 0) for r in roles}
+def _socket_states(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """TCP socket counts by state, per role: one read of each namespace's table."""
+    return {r: topo.thread(r).call(count_states) for r in roles}
 
 
-def _closing_snapshot(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
+def _time_wait(states: dict[str, dict[str, int]]) -> dict[str, int]:
+    return {r: counts.get("TIME_WAIT", 0) for r, counts in states.items()}
+
+
+_NOT_CLOSING = frozenset({"LISTEN", "ESTABLISHED", "TIME_WAIT"})
+
+
+def _closing(states: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     """Sockets per role still closing (any state but LISTEN, ESTABLISHED, TIME_WAIT).
 
     A new connection whose 4-tuple meets one of these is answered with an ACK,
     not a SYN-ACK, and waits a SYN retransmission (1 s): a few of them collapse
     a connection rate the way TIME_WAIT collisions do.
     """
-    skip = {"LISTEN", "ESTABLISHED", "TIME_WAIT"}
-    return {r: {st: n for st, n in topo.thread(r).call(count_states).items() if st not in skip}
-            for r in roles}
+    return {r: {st: n for st, n in counts.items() if st not in _NOT_CLOSING}
+            for r, counts in states.items()}
 
 
 def _node1_sysctl_int(topo: Topology, key: str) -> int | None:
@@ -191,12 +198,11 @@ def cps(topo: Topology, c: Contender, s: Settings) -> Run:
     """New connection per request; TIME_WAIT per namespace recorded before and after."""
     pod = "pod1" if c.path == "local" else "pod2"
     roles = ("client", "node1", pod)
-    before = _tw_snapshot(topo, roles)
-    closing = _closing_snapshot(topo, roles)
+    before = _socket_states(topo, roles)
     run = _wrk(topo, c, s, "cps")
-    run.detail["time_wait_before"] = before
-    run.detail["closing_before"] = closing
-    run.detail["time_wait_after"] = _tw_snapshot(topo, roles)
+    run.detail["time_wait_before"] = _time_wait(before)
+    run.detail["closing_before"] = _closing(before)
+    run.detail["time_wait_after"] = _time_wait(_socket_states(topo, roles))
     if isinstance(c, Kernel):
         count, limit = _conntrack_count(topo), _conntrack_max(topo)
         run.detail["conntrack_count_after"] = count

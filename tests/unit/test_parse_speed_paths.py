@@ -317,19 +317,15 @@ def test_every_single_edit(base: dict[str, Any], paths: list[tuple[object, ...]]
 mutations = st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(VALUES)), max_size=3)
 
 
+@pytest.mark.parametrize(("base", "paths"), [(SERVICE, SERVICE_PATHS), (SLICE, SLICE_PATHS)],
+                         ids=["service", "slice"])
 @given(edits=mutations)
-def test_quick_service_is_the_full_judge(edits: list[tuple[int, object]]) -> None:
-    doc = copy.deepcopy(SERVICE)
+def test_quick_judge_is_the_full_judge(
+    base: dict[str, Any], paths: list[tuple[object, ...]], edits: list[tuple[int, object]]
+) -> None:
+    doc = copy.deepcopy(base)
     for at, value in edits:
-        _mutate(doc, SERVICE_PATHS[at % len(SERVICE_PATHS)], value)
-    _check(doc)
-
-
-@given(edits=mutations)
-def test_quick_slice_is_the_full_judge(edits: list[tuple[int, object]]) -> None:
-    doc = copy.deepcopy(SLICE)
-    for at, value in edits:
-        _mutate(doc, SLICE_PATHS[at % len(SLICE_PATHS)], value)
+        _mutate(doc, paths[at % len(paths)], value)
     _check(doc)
 
 
