@@ -109,7 +109,6 @@ class PortPlan:
         return self.has_any and self.policy_local and not self.local
 
 
-
 def build_plan(
     snapshot: Snapshot,
     node_name: str,
@@ -252,14 +251,15 @@ def build_plans(
     if changed is not None:
         plans = dict(cache._plans)
         for key in changed:
-            svc = snapshot.service(key)
+            service = snapshot.service(key)
             entry = last.get(key)
-            if entry is None or svc is None:
+            if entry is None or service is None:
                 continue  # Not a proxied service (or its slice's service is gone).
-            slices = snapshot.slices_for(svc)
+            slices = snapshot.slices_for(service)
             if entry[1] == slices:
                 continue
-            entry = (svc, slices, _service_plans(snapshot, node_name, svc, masquerade_all))
+            entry = (service, slices,
+                     _service_plans(snapshot, node_name, service, masquerade_all))
             last[key] = entry
             built += 1
             for plan in entry[2]:

@@ -338,10 +338,10 @@ class Relay:
         on to the next eligible endpoint right here.
         """
         fwd = self.fwd
-        while True:
-            ep = decision.endpoint
-            addr = ep.addr
-            snat = decision.snat or not fwd.transparent
+        attempt: Forward | None = decision
+        while attempt is not None:
+            addr = attempt.endpoint.addr
+            snat = attempt.snat or not fwd.transparent
             usock = None
             try:
                 usock = upstream_socket(None if snat else self.client_addr[0])
@@ -357,9 +357,7 @@ class Relay:
                 err = exc.errno or errno.EIO
             if usock is not None:
                 usock.close()
-            decision = self._connect_failed(addr, snat, OSError(err, os.strerror(err)))
-            if decision is None:
-                return
+            attempt = self._connect_failed(addr, snat, OSError(err, os.strerror(err)))
 
     def connect_ready(self, events: int) -> None:
         """The upstream connect finished: writable means connected, an error failed.
@@ -719,7 +717,9 @@ class Forwarder:
         # about as many entries as there are connects in flight.
         while q and (q[0][1].phase != CONNECTING or q[0][1].upstream is not q[0][2]):
             q.popleft()
-        q.append((self.loop.time() + self.connect_timeout, up.relay, up))
+        relay = up.relay
+        assert relay is not None  # a side is made by its relay
+        q.append((self.loop.time() + self.connect_timeout, relay, up))
         if self._deadline_timer is None:
             self._deadline_timer = self.loop.call_at(q[0][0], self._expire_connects)
 
