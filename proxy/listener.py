@@ -28,10 +28,9 @@ without any transport (forwarder.py says why). That is also why the C
 accept path would not pay here even with EMFILE solved: it yields a uvloop
 transport, and making transports was the larger cost (about 20 µs of CPU per
 connection, against 3-4 µs for this loop's accept and socket object). It
-accepts up to
-``ACCEPT_BATCH`` connections per readiness callback, with ``_accept()`` and
-an explicit family/type: ``socket.accept()`` converts both to enums per
-connection.
+accepts up to ``ACCEPT_BATCH`` connections per readiness callback, with
+``_accept()`` and an explicit family/type: ``socket.accept()`` converts both
+to enums per connection.
 
 The listening socket carries TCP_NODELAY: accepted sockets inherit it,
 which saves the relay one setsockopt per connection.
