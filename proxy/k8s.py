@@ -5,12 +5,15 @@ Owns: reading what ``kubectl get nodes,svc,endpointslices -A -o yaml`` prints
 ``EndpointSliceList``, in any mix and order, or the same as JSON) into
 ``proxy.model`` objects, and every check kpx makes before it trusts a state;
 ``StateParser`` does it again for each new version of a state, re-reading
-only the documents that changed.
+only the documents that changed. Also ``decode_state``, the one door from
+bytes to text (not UTF-8: refused).
 
 Never: hold state outside a ``StateParser``, touch sockets, or return half a
 result. A parse either yields a whole Snapshot or raises ``StateError``; that
 is what lets the state source keep serving the last good snapshot when
-someone saves a broken file.
+someone saves a broken file. Nor let any input crash the process (see
+"Hostile input"), or put a line break or other unprintable character from a
+state into a problem.
 
 Theory of operation:
 
@@ -31,6 +34,33 @@ Theory of operation:
   service for a moment on every delete.
 - Endpoint conditions resolve here, once, exactly as in EndpointSliceCache:
   nil ready and nil serving mean true, nil terminating means false.
+- Names are held to the API server's formats (``_NAME_RULES``): Service names
+  are DNS-1035 labels, namespaces DNS-1123 labels, Node and EndpointSlice
+  names and endpoint ``nodeName``s DNS-1123 subdomains; label keys and values
+  (``kubernetes.io/service-name`` included, which links a slice to its
+  Service) follow the label rules. kube-proxy never sees anything else, and a
+  valid name holds nothing a log, a shell or nft could misread.
+
+Hostile input (no state may crash kpx, or empty it by accident):
+
+- Every problem is one printable line: input is quoted by ``_quote``, with
+  control and other unprintable characters escaped as ``repr`` does, an
+  object whose name is not plain is named quoted (``Service "default/a b"``),
+  and ``StateError`` escapes whatever else slips through.
+- Nesting is bounded before PyYAML composes anything (``_pyyaml``, the only
+  door to its loader): its C extension recurses once per level with no limit,
+  and against a libyaml without one (Debian's 0.2.5) ~100 KB of ``[`` or
+  ``- - -`` overflow the C stack. More than ``_MAX_DEPTH`` levels of
+  collections are refused. A cheap bound (``_could_nest_deeply``: bracket
+  counts and line prefixes, in C) clears nearly every text; the rest are
+  measured exactly by counting libyaml's events, which never recurse
+  (``_too_deep``). The block subset reader declines what could reach the
+  limit, so the same texts are refused in the same words on every road;
+  ``json``'s own recursion limit turns deeper JSON into a decline too.
+- A stream whose documents are all empty (an empty file, only comments or
+  ``---``, a failed ``kubectl ... > state.yaml``) is refused (``NO_DOCUMENTS``):
+  taking it would close every NodePort at once. An empty ``kind: List`` is the
+  deliberate "no services".
 - Speed matters (10k services must cost a fraction of a second on top of
   decoding): fields are plain dict lookups checked with ``type(v) is``, which
   is also what stops a YAML ``true`` passing as the integer 1, and a field
@@ -166,6 +196,64 @@ _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _IPV4 = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 """Dotted quad without leading zeros; a regex is ~5x cheaper than ipaddress."""
 
+# Names and labels, as the API server validates them (k8s.io/apimachinery
+# pkg/util/validation). kube-proxy only ever sees objects that passed these
+# checks, so a state that fails one was not written by an API server; and a
+# name that passes can hold no space, quote, ``;``, ``$``, backquote or line
+# break, so names print safely everywhere kpx prints them (logs, /metrics,
+# health check bodies). Each length limit is a lookahead, so a huge name
+# fails in one step and every check is one regex call.
+
+_DNS1123_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_DNS1035_LABEL = r"[a-z](?:[-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = rf"{_DNS1123_LABEL}(?:\.{_DNS1123_LABEL})*"
+_QUALIFIED_NAME = r"[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?"
+
+_LABEL_RULE = "at most 63 characters: letters, digits, '-', '_' and '.', "
+_LABEL_RULE += "beginning and ending with a letter or digit"
+
+
+class _NameRule(NamedTuple):
+    """One of the API server's name formats: a ``fullmatch`` and what it asks for."""
+
+    match: Callable[[str], object]
+    rule: str
+
+    def problem(self, value: str, what: str) -> str:
+        return f"{_quote(value)} is not a valid {what}: {self.rule}"
+
+
+_DNS1123_LABEL_RULE = _NameRule(
+    re.compile(rf"(?!.{{64}}){_DNS1123_LABEL}").fullmatch,
+    "a DNS-1123 label is at most 63 characters: lower-case letters, digits and '-', "
+    "beginning and ending with a letter or digit",
+)
+_DNS1035_LABEL_RULE = _NameRule(
+    re.compile(rf"(?!.{{64}}){_DNS1035_LABEL}").fullmatch,
+    "a DNS-1035 label is at most 63 characters: lower-case letters, digits and '-', "
+    "beginning with a letter and ending with a letter or digit",
+)
+_DNS1123_SUBDOMAIN_RULE = _NameRule(
+    re.compile(rf"(?!.{{254}}){_DNS1123_SUBDOMAIN}").fullmatch,
+    "a DNS-1123 subdomain is at most 253 characters: lower-case letters, digits, '-' and "
+    "'.', each '.'-separated part beginning and ending with a letter or digit",
+)
+_LABEL_KEY_RULE = _NameRule(
+    re.compile(rf"(?:(?![^/]{{254}}){_DNS1123_SUBDOMAIN}/)?(?!.{{64}}){_QUALIFIED_NAME}").fullmatch,
+    f"an optional DNS-1123 subdomain and '/', then a name of {_LABEL_RULE}",
+)
+_LABEL_VALUE_RULE = _NameRule(
+    re.compile(rf"(?!.{{64}})(?:{_QUALIFIED_NAME})?").fullmatch,
+    f"empty, or {_LABEL_RULE}",
+)
+
+_NAME_RULES = {
+    "Service": _DNS1035_LABEL_RULE,
+    "EndpointSlice": _DNS1123_SUBDOMAIN_RULE,
+    "Node": _DNS1123_SUBDOMAIN_RULE,
+}
+"""``metadata.name`` by kind: ValidateServiceName, ValidateEndpointSliceName, ValidateNodeName."""
+
 _TYPE_NAMES = {
     bool: "boolean",
     int: "integer",
@@ -179,14 +267,54 @@ _TYPE_NAMES = {
 
 
 class StateError(ValueError):
-    """A state that kpx refuses to apply; ``problems`` lists every reason."""
+    """A state that kpx refuses to apply; ``problems`` lists every reason.
+
+    Every problem is one line: whatever a message quotes from the state is
+    escaped where it is quoted (``_quote``), and anything unprintable that
+    still reaches a problem (a YAML error's text, a caller's message) is
+    escaped here, so no state can forge a line in a log that prints them.
+    """
 
     def __init__(self, problems: Iterable[str]) -> None:
-        self.problems: list[str] = list(problems)
+        self.problems: list[str] = [p if p.isprintable() else _escape(p) for p in problems]
         super().__init__("\n".join(self.problems))
 
     def __str__(self) -> str:
         return "\n".join(self.problems)
+
+
+def _escape(text: str) -> str:
+    """``text`` with each unprintable character escaped as ``repr`` escapes it.
+
+    ``\\n``, ``\\x1b``, ``\\u2028``: line breaks of every kind, terminal
+    escapes and invisible format characters (bidi overrides) are what let
+    text from a state pose as another log line, or hide in one.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+_QUOTE_ESCAPES = {'"': '\\"', "\\": "\\\\"}
+
+
+def _quote(text: str) -> str:
+    """``text`` from a state, double-quoted for a problem, escaped so that it stays one line.
+
+    Plain text (nearly all of it) is only wrapped in quotes; a quote or a
+    backslash inside is escaped too, so the quoted form is unambiguous.
+    """
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return '"' + "".join(_QUOTE_ESCAPES.get(ch) or _escape(ch) for ch in text) + '"'
+
+
+def _shown(key: str) -> str:
+    """An object's ``ns/name`` as a problem names it: bare when it is a plain name, else
+    quoted (``Service "default/web\\nCRITICAL"``), so the label itself cannot break a line."""
+    if key.isprintable() and " " not in key and '"' not in key and "\\" not in key:
+        return key
+    return _quote(key)
 
 
 def _describe(value: object) -> str:
@@ -194,7 +322,7 @@ def _describe(value: object) -> str:
     name = _TYPE_NAMES.get(type(value), type(value).__name__)
     if type(value) is str:
         shown = value if len(value) <= 40 else value[:37] + "..."
-        return f'{name} "{shown}"'
+        return f"{name} {_quote(shown)}"
     if type(value) is bool:
         return f"{name} {str(value).lower()}"
     if type(value) in (int, float):
@@ -352,7 +480,7 @@ class _Fields:
         value = parent.get(key)
         if type(value) is str:
             if choices and value not in choices:
-                self.fail(prefix + key, f'"{value}" is not one of {", ".join(choices)}')
+                self.fail(prefix + key, f'{_quote(value)} is not one of {", ".join(choices)}')
                 return default
             if required and not value:
                 self.fail(prefix + key, "required")
@@ -416,7 +544,21 @@ class _Fields:
             if type(k) is not str:
                 self.wrong_type(f"{prefix}{key}", "string key", k)
             elif type(v) is not str:
-                self.wrong_type(f'{prefix}{key}["{k}"]', "string", v)
+                self.wrong_type(f"{prefix}{key}[{_quote(k)}]", "string", v)
+        return value
+
+    def labels(self, parent: dict[str, Any], key: str, prefix: str) -> dict[str, str]:
+        """``metadata.labels``: a ``string_map`` whose keys and values the API server would take."""
+        value = self.string_map(parent, key, prefix)
+        for k, v in value.items():
+            if type(k) is not str:
+                continue  # Reported by ``string_map``.
+            if not _LABEL_KEY_RULE.match(k):
+                self.fail(f"{prefix}{key}[{_quote(k)}]", _LABEL_KEY_RULE.problem(k, "label key"))
+            if type(v) is str and not _LABEL_VALUE_RULE.match(v):
+                self.fail(
+                    f"{prefix}{key}[{_quote(k)}]", _LABEL_VALUE_RULE.problem(v, "label value")
+                )
         return value
 
     def string_list(self, parent: dict[str, Any], key: str, prefix: str) -> tuple[str, ...]:
@@ -445,6 +587,52 @@ def _all_strings(mapping: dict[Any, Any]) -> bool:
     return True
 
 
+_GOOD_NAMESPACES: set[str] = set()
+_GOOD_LABEL_KEYS: set[str] = set()
+_GOOD_NODE_NAMES: set[str] = set()
+"""Namespaces, label keys and node names known to be well-formed. A cluster has
+few of each, and they repeat on every object (``app``,
+``kubernetes.io/service-name``) and endpoint, so a set lookup replaces most
+regex calls. Whether a string is
+well-formed never changes, so sharing the sets between parses and threads is
+safe; ``_MEMO_LIMIT`` bounds them against a state full of distinct ones."""
+_MEMO_LIMIT = 4096
+
+
+def _remember(known: set[str], text: str) -> None:
+    if len(known) >= _MEMO_LIMIT:
+        known.clear()
+    known.add(text)
+
+
+def _good_labels(labels: dict[Any, Any]) -> bool:
+    """Whether every label is a string pair the API server would take (see ``_Fields.labels``).
+
+    Label values (names, mostly) are checked by one regex call each; keys
+    repeat, and are looked up in ``_GOOD_LABEL_KEYS`` first.
+    """
+    good_value = _LABEL_VALUE_RULE.match
+    known_keys = _GOOD_LABEL_KEYS
+    for k, v in labels.items():
+        if type(k) is not str or type(v) is not str or not good_value(v):
+            return False
+        if k not in known_keys:
+            if not _LABEL_KEY_RULE.match(k):
+                return False
+            _remember(known_keys, k)
+    return True
+
+
+def _good_node_name(name: str) -> bool:
+    """``_DNS1123_SUBDOMAIN_RULE`` for an endpoint's ``nodeName``, through ``_GOOD_NODE_NAMES``."""
+    if name in _GOOD_NODE_NAMES:
+        return True
+    if not _DNS1123_SUBDOMAIN_RULE.match(name):
+        return False
+    _remember(_GOOD_NODE_NAMES, name)
+    return True
+
+
 def _pairs(mapping: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(mapping.items())
 
@@ -457,7 +645,7 @@ def _timestamp(fields: _Fields, value: object, path: str) -> float | None:
         try:
             value = datetime.fromisoformat(value)
         except ValueError:
-            fields.fail(path, f'"{value}" is not an RFC 3339 time')
+            fields.fail(path, f"{_quote(value)} is not an RFC 3339 time")
             return None
     if isinstance(value, datetime):
         if value.tzinfo is None:
@@ -477,8 +665,13 @@ def _timestamp(fields: _Fields, value: object, path: str) -> float | None:
 # judge decides, so every message still comes from one place.
 
 
-def _quick_name(doc: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
-    """Namespace, name and labels of a well-formed namespaced object, else None."""
+def _quick_name(
+    doc: dict[str, Any], good_name: Callable[[str], object]
+) -> tuple[str, str, dict[str, Any]] | None:
+    """Namespace, name and labels of a well-formed namespaced object, else None.
+
+    ``good_name`` is the ``fullmatch`` of the kind's name format (``_NAME_RULES``).
+    """
     meta = doc.get("metadata")
     if type(meta) is not dict:
         return None
@@ -493,16 +686,22 @@ def _quick_name(doc: dict[str, Any]) -> tuple[str, str, dict[str, Any]] | None:
         namespace = "default"
     elif not namespace:
         namespace = "default"
+    elif namespace not in _GOOD_NAMESPACES:
+        if not _DNS1123_LABEL_RULE.match(namespace):
+            return None
+        _remember(_GOOD_NAMESPACES, namespace)
+    if not good_name(name):
+        return None
     if labels is None:
         labels = {}
-    elif type(labels) is not dict or not _all_strings(labels):
+    elif type(labels) is not dict or not _good_labels(labels):
         return None
     return namespace, name, labels
 
 
 def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
     """``service`` for a plain Service (see above): it and its claims, or None."""
-    named = _quick_name(doc)
+    named = _quick_name(doc, _DNS1035_LABEL_RULE.match)
     spec = doc.get("spec")
     if named is None or type(spec) is not dict:
         return None
@@ -602,7 +801,7 @@ def _quick_slice(doc: dict[str, Any], interned: _Interned) -> EndpointSlice | No
     frozen model object is safe to share. A key is only looked up once its
     fields' types are checked, so ``1`` never finds what ``True`` built.
     """
-    named = _quick_name(doc)
+    named = _quick_name(doc, _DNS1123_SUBDOMAIN_RULE.match)
     if named is None:
         return None
     namespace, name, labels = named
@@ -667,7 +866,7 @@ def _quick_slice(doc: dict[str, Any], interned: _Interned) -> EndpointSlice | No
         key = (address, node_name, ready, serving, terminating, pod_name)
         endpoint = interned.get(key)
         if endpoint is None:
-            if not _IPV4.fullmatch(address):
+            if not _IPV4.fullmatch(address) or (node_name and not _good_node_name(node_name)):
                 return None
             endpoint = interned[key] = Endpoint(
                 address, node_name or None, ready, serving, terminating, pod_name
@@ -828,12 +1027,18 @@ class _Judge:
             self.clean = False
             return None
         key = name
+        namespace = meta.get("namespace") if namespaced else None
         if namespaced:
-            namespace = meta.get("namespace")
             key = f"{namespace if namespace and type(namespace) is str else 'default'}/{name}"
-        fields.name(f"{kind} {key}")
+        fields.name(f"{kind} {_shown(key)}")
         if namespaced:
             fields.string(meta, "namespace", "metadata.")  # Only to report a wrong type.
+            if namespace and type(namespace) is str and not _DNS1123_LABEL_RULE.match(namespace):
+                problem = _DNS1123_LABEL_RULE.problem(namespace, "namespace")
+                fields.fail("metadata.namespace", problem)
+        rule = _NAME_RULES[kind]
+        if not rule.match(name):
+            fields.fail("metadata.name", rule.problem(name, f"{kind} name"))
         early = cast("tuple[str, ...]", tuple(fields.problems))
         fields.problems.clear()
         return key, meta, early
@@ -843,7 +1048,7 @@ class _Judge:
         if named is None:
             return
         name, meta, early = named
-        labels = fields.string_map(meta, "labels", "metadata.")
+        labels = fields.labels(meta, "labels", "metadata.")
         deletion = meta.get("deletionTimestamp")
         if isinstance(deletion, datetime):
             deletion = deletion.isoformat()
@@ -891,7 +1096,7 @@ class _Judge:
         if named is None:
             return
         key, meta, early = named
-        labels = fields.string_map(meta, "labels", "metadata.")
+        labels = fields.labels(meta, "labels", "metadata.")
         spec = fields.mapping(doc, "spec", "", required=True)
         if (
             SERVICE_PROXY_NAME_LABEL in labels
@@ -939,7 +1144,7 @@ class _Judge:
             if name in port_names:
                 fields.fail(
                     prefix + "name",
-                    f'duplicate port name "{name}" (also spec.ports[{port_names[name]}])',
+                    f"duplicate port name {_quote(name)} (also spec.ports[{port_names[name]}])",
                 )
             port_names.setdefault(name, i)
             protocol = fields.string(raw, "protocol", prefix, "TCP", choices=_PROTOCOLS)
@@ -996,7 +1201,9 @@ class _Judge:
             # kpx proxies IPv4 only, like a single-stack IPv4 kube-proxy.
             self.done("EndpointSlice", key, fields.rel, early, fields.problems, None)
             return
-        labels = fields.string_map(meta, "labels", "metadata.")
+        # The service-name label links the slice to its Service; as a label
+        # value it is checked by ``labels``, like every other label.
+        labels = fields.labels(meta, "labels", "metadata.")
         service_name = labels.get(SERVICE_NAME_LABEL)
         if not service_name:
             fields.fail(f'metadata.labels["{SERVICE_NAME_LABEL}"]', "required")
@@ -1062,7 +1269,7 @@ class _Judge:
             if type(address) is not str:
                 fields.wrong_type(prefix + "addresses[0]", "string", address)
             elif not _IPV4.fullmatch(address):
-                fields.fail(prefix + "addresses[0]", f'"{address}" is not an IPv4 address')
+                fields.fail(prefix + "addresses[0]", f"{_quote(address)} is not an IPv4 address")
 
         conditions = raw.get("conditions")
         ready = serving = True
@@ -1081,6 +1288,9 @@ class _Judge:
             fields.wrong_type(prefix + "conditions", "mapping", conditions)
 
         node_name = fields.optional_string(raw, "nodeName", prefix)
+        if node_name and not _DNS1123_SUBDOMAIN_RULE.match(node_name):
+            problem = _DNS1123_SUBDOMAIN_RULE.problem(node_name, "node name")
+            fields.fail(prefix + "nodeName", problem)
         pod_name = None
         target_ref = raw.get("targetRef")
         if target_ref is not None:
@@ -1095,6 +1305,11 @@ class _Judge:
 _new: Any = tuple.__new__
 """A NamedTuple from a tuple of all its fields in order, skipping the Python-level
 ``__new__`` that named arguments need: twice as fast, for two per document."""
+
+
+_EMPTY_DOCUMENT = _Verdict((), True, (), (), (), (), ())
+"""The verdict on every empty document (None): one object, so that "did any document
+hold anything" is an identity test (``_EmptyState``)."""
 
 
 def _judge(doc: object, interned: _Interned | None = None) -> _Verdict:
@@ -1126,10 +1341,34 @@ def _judge(doc: object, interned: _Interned | None = None) -> _Verdict:
                     ident = f"EndpointSlice/{key}"
                     entry = _new(_Object, (kind, key, ident, "", (), (), value))
                     return _new(_Verdict, ((entry,), True, (ident,), (), (), (), (value,)))
+    if doc is None:
+        return _EMPTY_DOCUMENT
     judge = _Judge({} if interned is None else interned)
-    if doc is not None:
-        judge.item(doc, "", None)
+    judge.item(doc, "", None)
     return judge.verdict()
+
+
+NO_DOCUMENTS = (
+    "no documents: the state holds nothing but blank lines, comments or empty documents, "
+    "which is what a failed `kubectl get ... > state.yaml` leaves behind; to run with no "
+    "services on purpose, write an empty List (apiVersion: v1, kind: List, items: [])"
+)
+"""Why an empty state is refused. Taking it would close every NodePort and health
+check port of the node at once, for what is nearly always a failed write."""
+
+
+def _refuse_if_empty(snapshot: Snapshot, verdicts: Callable[[], Iterable[_Verdict]]) -> Snapshot:
+    """``snapshot``, unless no document of its stream held anything (``NO_DOCUMENTS``).
+
+    A snapshot with any object is passed at once; only an empty one looks at
+    ``verdicts()``, for a document that was not empty: a List, even with no
+    items, or an object of a kind kpx ignores, is a deliberate state.
+    """
+    if snapshot.nodes or snapshot.services or snapshot.slices:
+        return snapshot
+    if any(verdict is not _EMPTY_DOCUMENT for verdict in verdicts()):
+        return snapshot
+    raise StateError([NO_DOCUMENTS])
 
 
 # -- linking: the checks that span documents ------------------------------------------
@@ -1396,9 +1635,108 @@ def _yaml_problem(err: yaml.YAMLError, line_offset: int = 0) -> StateError:
     return StateError([f"YAML error: {err}"])
 
 
-def _load_all(text: str) -> list[object]:
+# Nesting. PyYAML's C extension builds each collection by a C call inside its
+# parent's (``CParser._compose_node``), with no limit of its own: against a
+# libyaml without one (Debian's 0.2.5, which distro PyYAML links) ~100 KB of
+# ``[`` or of ``- - - `` overflow the C stack and the process dies of SIGSEGV,
+# taking every listener with it. libyaml's *events*, though, come from a loop
+# with a heap stack, and are safe at any depth. So every text is measured
+# before PyYAML builds it, and refused past ``_MAX_DEPTH``.
+
+_MAX_DEPTH = 100
+"""Collections nested in collections, at most. kubectl's output for Nodes, Services and
+EndpointSlices nests under 30 deep (managedFields included), and no Kubernetes object
+comes near 100; while 100 is far below where any decoder kpx uses gets into trouble:
+libyaml's composer overflows an 8 MiB stack at ~30,000 levels, the pure-Python
+loader reaches Python's recursion limit at ~300 and ``json`` at ~1,000."""
+
+_SHALLOW_INDENT = 20
+_SHALLOW_OPENERS = _MAX_DEPTH // 2 - _SHALLOW_INDENT - 1
+"""The cheap test (``_could_nest_deeply``) passes a text with at most this many ``[``
+and ``{`` and no line that starts with ``_SHALLOW_INDENT`` indentation or
+indicator characters: such a text cannot nest past ``_MAX_DEPTH`` (see there)."""
+_DEEP_LINE = re.compile(rf"(?:\A|[\n\r\x85\u2028\u2029])\ufeff?[-?: \t]{{{_SHALLOW_INDENT}}}")
+_COLLECTION_EVENTS: dict[type, int] = {
+    yaml.MappingStartEvent: 1,
+    yaml.SequenceStartEvent: 1,
+    yaml.MappingEndEvent: -1,
+    yaml.SequenceEndEvent: -1,
+}
+
+
+def _could_nest_deeply(text: str) -> bool:
+    """False when ``text`` certainly nests at most ``_MAX_DEPTH`` collections deep.
+
+    A bound that costs a few scans in C, so that the exact measure
+    (``_too_deep``) only runs for the rare text it cannot vouch for. Flow
+    collections nest at most two per ``[`` or ``{`` (a ``[a: b]`` pair is a
+    mapping of its own). A block collection starts at a column where a key,
+    ``-``, ``?`` or ``:`` stands, and only behind the indentation and
+    indicators that begin its line (an optional byte-order mark aside); the
+    columns of the block collections open at once increase strictly, and
+    each may hold one more sequence at its own column (``key:`` then ``- a``).
+    So with at most ``_SHALLOW_OPENERS`` brackets and every line's leading
+    run of spaces, tabs, ``-``, ``?`` and ``:`` shorter than
+    ``_SHALLOW_INDENT``, the depth is at most
+    ``2 * _SHALLOW_OPENERS + 2 * (_SHALLOW_INDENT + 1) <= _MAX_DEPTH``.
+    """
+    return (
+        text.count("[") + text.count("{") > _SHALLOW_OPENERS
+        or _DEEP_LINE.search(text) is not None
+    )
+
+
+def _too_deep(text: str) -> Any:
+    """Where ``text`` first nests deeper than ``_MAX_DEPTH``, as a YAML mark, or None.
+
+    Counts libyaml's collection events, which cost about a tenth of what
+    building the documents does and never recurse; it stops at the first
+    event past the limit. A syntax error ends the count quietly: PyYAML
+    then stops at that same error, no deeper than the count got.
+    """
+    loader = _LOADER(text)
+    try:
+        depth = 0
+        steps = _COLLECTION_EVENTS
+        while loader.check_event():
+            event = loader.get_event()
+            depth += steps.get(type(event), 0)
+            if depth > _MAX_DEPTH:
+                return event.start_mark
+    except yaml.YAMLError:
+        pass
+    finally:
+        loader.dispose()
+    return None
+
+
+def _pyyaml(text: str, line_offset: Callable[[], int] = int) -> list[object]:
+    """Every document of ``text``, by PyYAML, unless it nests deeper than ``_MAX_DEPTH``.
+
+    The one door to PyYAML's loader. ``StateError`` if too deep (``line_offset()``
+    counts the lines above ``text``, only then); ``yaml.YAMLError`` for the rest.
+    """
+    if _could_nest_deeply(text):
+        mark = _too_deep(text)
+        if mark is not None:
+            raise StateError(
+                [
+                    f"YAML nested too deep at {_mark(mark, line_offset())}: more than "
+                    f"{_MAX_DEPTH} levels of collections, where no Kubernetes object comes "
+                    "near; refused before decoding, so that no YAML parser can run out of stack"
+                ]
+            )
     try:
         return list(yaml.load_all(text, Loader=_LOADER))
+    except RecursionError:
+        # Only the pure-Python loader recurses in Python; ``_MAX_DEPTH`` keeps it
+        # far from the limit, unless the caller's own stack is already deep.
+        raise StateError(["YAML nested too deep to decode"]) from None
+
+
+def _load_all(text: str) -> list[object]:
+    try:
+        return _pyyaml(text)
     except yaml.YAMLError as err:
         raise _yaml_problem(err) from err
 
@@ -1520,9 +1858,14 @@ def _json_document(text: str) -> object:
     declined where the two could differ: tabs (libyaml takes them as flow
     whitespace, PyYAML refuses them), ``_JSON_ODD`` characters, surrogate
     escapes, and anything ``json`` refuses (comments, YAML syntax, errors:
-    PyYAML reports those). Known gap: a key longer than 1024 characters,
+    PyYAML reports those). Known gaps: a key longer than 1024 characters,
     which YAML cannot read as an implicit key, and the API server never
-    writes.
+    writes; and nesting: ``json`` is safe at any depth (past ~1,000 levels
+    it raises RecursionError, and the text goes on to ``_pyyaml``, which
+    refuses it), so JSON between ``_MAX_DEPTH`` and that is decoded here
+    although ``_pyyaml`` would refuse it. Measuring every JSON state for it
+    would cost more than decoding it; the judges read only known fields, at
+    fixed depths, so what lies deeper is never looked at.
     """
     if not _JSON_START.match(text) or "\t" in text or "\x7f" in text:
         return _DECLINE
@@ -1658,13 +2001,20 @@ def _read_line(line: str, scalars: dict[str, object]) -> _Line:
     return shape, indent, dash, name, value
 
 
+_MAX_SUBSET_STACK = _MAX_DEPTH - 2
+"""Blocks around the one being filled, at most: with it and a ``{}`` or ``[]`` inside,
+a document ``_build`` reads stays within ``_MAX_DEPTH``. Deeper ones are declined,
+and PyYAML's door (``_pyyaml``) measures and refuses them, in its own words."""
+
+
 def _build(reads: list[_Line]) -> Any:
     """The root mapping that the lines of one document spell, None if they hold no
     content, or ``_DECLINE``.
 
     The block being filled is ``(column, container, is_sequence)`` in
-    locals, the blocks around it on ``stack``. ``pending`` is a ``key:``
-    whose value is whatever block the next line opens, or null if none.
+    locals, the blocks around it on ``stack`` (``_MAX_SUBSET_STACK`` at most).
+    ``pending`` is a ``key:`` whose value is whatever block the next line
+    opens, or null if none.
     """
     stack: list[tuple[int, Any, bool]] = []
     column, block, in_sequence = 0, cast(Any, None), False
@@ -1686,6 +2036,8 @@ def _build(reads: list[_Line]) -> Any:
         else:
             if pending is not None:
                 if (indent >= column) if dash else (indent > column):
+                    if len(stack) >= _MAX_SUBSET_STACK:
+                        return _DECLINE
                     opened: Any = [] if dash else {}
                     block[pending] = opened
                     stack.append((column, block, in_sequence))
@@ -1705,6 +2057,8 @@ def _build(reads: list[_Line]) -> Any:
                 if key is _NO_KEY:
                     block.append(value)
                     continue
+                if len(stack) >= _MAX_SUBSET_STACK:
+                    return _DECLINE
                 opened = {}
                 block.append(opened)
                 stack.append((column, block, in_sequence))
@@ -1962,7 +2316,8 @@ def _chunk_error(text: str, start: int, end: int) -> StateError:
         raise _Whole
     stop = text.find("\n", end)
     try:
-        list(yaml.load_all(text[start : len(text) if stop < 0 else stop + 1], Loader=_LOADER))
+        piece = text[start : len(text) if stop < 0 else stop + 1]
+        _pyyaml(piece, lambda: text.count("\n", 0, start))
     except yaml.MarkedYAMLError as err:
         return _yaml_problem(err, text.count("\n", 0, start))
     except yaml.YAMLError:
@@ -2030,8 +2385,12 @@ class StateParser:
                 stats.mode = "whole"
                 docs = _load_all(text)
                 stats.pyyaml = len(docs)
-                return _link(map(_judge, docs, repeat({})), generation)
-            return self._linker.snapshot(generation)
+                verdicts = list(map(_judge, docs, repeat({})))
+                return _refuse_if_empty(_link(verdicts, generation), lambda: verdicts)
+            chunks = self._linker.chunks
+            return _refuse_if_empty(
+                self._linker.snapshot(generation), lambda: chain.from_iterable(chunks)
+            )
 
     def _update(self, text: str, stats: ParseStats) -> None:
         """Bring the chunks, their verdicts and the linker up to ``text``.
@@ -2110,7 +2469,7 @@ class StateParser:
             return (_judge(docs[0], memo.interned),) if docs else ()
         stats.pyyaml += 1
         try:
-            docs = list(yaml.load_all(chunk, Loader=_LOADER))
+            docs = _pyyaml(chunk, lambda: text.count("\n", 0, start))
         except yaml.MarkedYAMLError:
             raise _chunk_error(text, start, start + len(chunk)) from None
         except yaml.YAMLError:
@@ -2149,14 +2508,23 @@ def _parse_whole(text: str, generation: int = 0) -> Snapshot:
     What ``StateParser`` falls back to, and what the tests hold it to.
     """
     with gc_paused():
-        return _link(map(_judge, _load_all(text)), generation)
+        verdicts = list(map(_judge, _load_all(text)))
+        return _refuse_if_empty(_link(verdicts, generation), lambda: verdicts)
+
+
+def decode_state(data: bytes) -> str:
+    """A state's bytes as text, or ``StateError`` if they are not UTF-8.
+
+    The API server only ever stores UTF-8, so a file that is not is refused
+    whole, as any other bad file is; every reader of state bytes (``kpx
+    node``'s source, ``kpx check``) decodes through here, so they agree.
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise StateError([f"not UTF-8 text ({err.reason} at byte {err.start})"]) from None
 
 
 def parse_file(path: str | Path, generation: int = 0) -> Snapshot:
     """``parse_state`` of a UTF-8 file. ``OSError`` is left to the caller."""
-    data = Path(path).read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise StateError([f"{path}: not UTF-8 text ({err.reason} at byte {err.start})"]) from err
-    return parse_state(text, generation)
+    return parse_state(decode_state(Path(path).read_bytes()), generation)

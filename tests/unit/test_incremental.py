@@ -186,6 +186,9 @@ def test_random_edits_give_what_a_whole_parse_gives(
 def test_generation_and_empty_streams() -> None:
     parser = StateParser()
     for text in ("", "\n", "# nothing\n", "---\n", "---\n---\n# c\n", "---"):
+        # Nothing in any document (an empty file, a failed write) is refused, by both roads.
+        assert outcome(parser.parse, text, 3) == [k8s.NO_DOCUMENTS] == whole(text, 3)
+    for text in ("kind: List\nitems: []\n", "---\nkind: List\n---\n", "# c\n---\nkind: List\n"):
         assert parser.parse(text, 3) == Snapshot(generation=3) == whole(text, 3)
 
 

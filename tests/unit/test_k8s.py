@@ -191,8 +191,11 @@ def test_kubectl_list_slices(kubectl: Snapshot) -> None:
 
 def test_generation_is_passed_through(kubectl: Snapshot) -> None:
     assert kubectl.generation == 7
-    assert parse_state("").generation == 0
-    assert parse_state("", generation=42) == Snapshot(generation=42)
+    # An empty List: a deliberate state with nothing in it (an empty file is refused,
+    # see tests/unit/test_hostile_input.py).
+    empty = "apiVersion: v1\nkind: List\nitems: []\n"
+    assert parse_state(empty).generation == 0
+    assert parse_state(empty, generation=42) == Snapshot(generation=42)
 
 
 def test_multi_document_stream_equals_list() -> None:
