@@ -41,7 +41,13 @@ from collections.abc import Iterable
 from proxy import metrics, synfilter
 from proxy.balancer import Balancer
 from proxy.decision import PlanCache, PortPlan, build_plans
-from proxy.forwarder import Forwarder, PortMetrics, PortState
+from proxy.forwarder import (
+    TCP_TIMEOUT_CLOSE_WAIT,
+    TCP_TIMEOUT_ESTABLISHED,
+    Forwarder,
+    PortMetrics,
+    PortState,
+)
 from proxy.listener import AcceptSet, Listener
 from proxy.model import Snapshot
 from proxy.transparent import RoutingConfig, TransparentRouting, transparent_capable
@@ -126,6 +132,8 @@ class Dataplane:
         cluster_cidrs: Iterable[str | Network] | None = None,
         workers: int = 1,
         install_routing: bool = True,
+        tcp_timeout_established: float = TCP_TIMEOUT_ESTABLISHED,
+        tcp_timeout_close_wait: float = TCP_TIMEOUT_CLOSE_WAIT,
     ) -> None:
         self.node_name = node_name
         self.loop = loop
@@ -157,6 +165,8 @@ class Dataplane:
             transparent=transparent_ok,
             max_connections=default_max_connections() if max_connections is None
             else max_connections,
+            tcp_timeout_established=tcp_timeout_established,
+            tcp_timeout_close_wait=tcp_timeout_close_wait,
         )
         self.forwarder.on_room = self._resume_blocked
         self.forwarder.cluster_cidrs = tuple(

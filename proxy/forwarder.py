@@ -10,7 +10,10 @@ It also holds every live connection, which is what draining counts.
 Never: log or allocate per chunk (one shared read buffer; only the unsent
 rest of a read is copied), touch Prometheus per connection (counts are
 plain ints, flushed in batches: see ``PortMetrics``), read a client before
-its upstream is connected, or hold more than one read per direction.
+its upstream is connected, or hold more than one read per direction. Never
+log a per-connection event except through ``Forwarder.warn``: rate-limited
+per cause and service (``proxy.lograte``), so a refusing endpoint under
+load writes two lines per 10 s, not three per connection.
 
 Theory of operation
 -------------------
@@ -77,6 +80,20 @@ fair and nothing is lost by stopping early. Level-triggered epoll reports
 EPOLLHUP/EPOLLERR whatever the mask, so a side with nothing to read or write
 leaves the set (``set_mask(side, 0)``) rather than sit in it with an empty
 mask: it would be reported on every poll.
+
+Idle connections expire as kube-proxy's conntrack flags make them:
+``--conntrack-tcp-timeout-established`` (no byte either way for that long)
+and ``--conntrack-tcp-timeout-close-wait`` (idle that long after one side's
+FIN); 0 turns either off. Expiry resets both sides. The hot path pays
+nothing for it: the per-side byte counts it already keeps are the activity
+signal. A timer sweeps every ``min(timeout / 4, SWEEP_MAX_INTERVAL)``; a
+relay whose counts (and flush/EOF marker) have not moved since the sweep
+that first saw them still is idle since then. So a connection expires no
+earlier than its timeout after its last activity, and at most two sweep
+intervals later (the activity may fall just after a sweep). One more check
+before a reset: data still in a socket's send queue (SIOCOUTQ) means the
+kernel is still delivering to a slow reader, which conntrack would see as
+packets, so that connection is not idle.
 """
 
 from __future__ import annotations
@@ -84,12 +101,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import ipaddress
 import logging
 import os
 import select
 import socket
 import struct
+import termios
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -99,6 +118,7 @@ from typing import Any
 from proxy import metrics
 from proxy.balancer import Balancer
 from proxy.decision import Drop, Forward, PortPlan, decide
+from proxy.lograte import RateLimitedLog
 from proxy.transparent import upstream_socket
 
 log = logging.getLogger(__name__)
@@ -108,8 +128,20 @@ READ_SIZE = 256 * 1024
 most one unsent read per direction, copied out of the shared buffer."""
 METRICS_FLUSH_INTERVAL = 1.0
 """Seconds between batches of counter updates to Prometheus (scrapes lag by at most this)."""
+TCP_TIMEOUT_ESTABLISHED = 24 * 3600.0
+"""kube-proxy's ``--conntrack-tcp-timeout-established`` default: idle seconds before a reset."""
+TCP_TIMEOUT_CLOSE_WAIT = 3600.0
+"""kube-proxy's ``--conntrack-tcp-timeout-close-wait`` default: idle seconds after a FIN."""
+SWEEP_MAX_INTERVAL = 30.0
+"""Longest wait between idle sweeps: how late past its timeout a connection may expire."""
+LOG_WINDOW = 10.0
+"""Seconds per rate-limit window of the per-connection warnings (``proxy.lograte``)."""
+_TIMER_SLACK = 0.01
+"""Loops may run a timer up to their clock resolution early: wake a little after a
+window ends, so the tick finds it ended instead of rescheduling itself at once."""
 
 _LINGER_RST = struct.pack("ii", 1, 0)
+_OUTQ_BUF = struct.pack("i", 0)
 _SOL_SOCKET = socket.SOL_SOCKET
 _SO_ERROR = socket.SO_ERROR
 _SHUT_WR = socket.SHUT_WR
@@ -218,6 +250,23 @@ def _describe(exc: BaseException) -> str:
     return os.strerror(errno_) if errno_ else str(exc)
 
 
+def _unsent(side: _Side) -> bool:
+    """True if ``side`` holds data for its peer: ours (``out``) or the kernel's send queue.
+
+    Called only by the idle sweep, and only for a relay about to expire: one
+    ioctl (SIOCOUTQ: bytes sent but not yet acknowledged, or not yet sent).
+    """
+    if side.closed:
+        return False
+    if side.out is not None:
+        return True
+    try:
+        queued = fcntl.ioctl(side.fd, termios.TIOCOUTQ, _OUTQ_BUF)
+    except OSError:
+        return False
+    return struct.unpack("i", queued)[0] > 0
+
+
 def reset_socket(sock: socket.socket) -> None:
     """Close ``sock`` with an RST instead of a FIN."""
     with contextlib.suppress(OSError):
@@ -306,11 +355,15 @@ class Relay:
     Phases: ``CONNECTING`` (``upstream`` is connecting and registered,
     ``client`` is not), ``LINKED`` (relaying); then *finished*, i.e. removed
     from ``Forwarder.active``. Aborting works in every phase.
+
+    ``mark`` and ``idle_since`` belong to the idle sweep (``Forwarder._sweep``):
+    the byte counts it last saw (-1: activity the counts do not show, or not
+    seen yet) and the sweep time they were first seen unchanged.
     """
 
     __slots__ = (
-        "client", "client_addr", "endpoint", "failed", "fwd", "metrics", "node_port",
-        "phase", "snat", "state", "upstream",
+        "client", "client_addr", "endpoint", "failed", "fwd", "idle_since", "mark", "metrics",
+        "node_port", "phase", "snat", "state", "upstream",
     )
 
     def __init__(
@@ -328,6 +381,8 @@ class Relay:
         self.failed: list[tuple[str, int]] | None = None
         self.snat = True
         self.phase = CONNECTING
+        self.mark = -1
+        self.idle_since = 0.0
 
     # -- connecting --------------------------------------------------------------
 
@@ -386,6 +441,8 @@ class Relay:
         fwd = self.fwd
         fwd.set_mask(up, _EPOLLIN)
         fwd.add_side(cl, _EPOLLIN)
+        if fwd._sweep_timer is None and fwd.sweep_interval:
+            fwd.start_sweeping()
 
     def connect_timed_out(self) -> None:
         """Called by the Forwarder when this attempt's deadline passed."""
@@ -413,10 +470,13 @@ class Relay:
         client_ip = self.client_addr[0]
         m = self.metrics
         m.connect_failures += 1
-        self.fwd.touch(m)
-        log.warning(
-            "%s: connect to endpoint %s:%d for client %s failed (%s%s)",
-            plan.key, addr[0], addr[1], self.client_str(), _describe(exc),
+        fwd = self.fwd
+        fwd.touch(m)
+        why = _describe(exc)
+        fwd.warn(
+            ("connect", why, plan.key),
+            "%s: connect to endpoint %s:%d for client %s:%d failed (%s%s)",
+            plan.key, addr[0], addr[1], client_ip, self.client_addr[1], why,
             ", SNAT" if snat else "",
         )
         if self.failed is None:
@@ -431,7 +491,9 @@ class Relay:
             self.state = state
             return decision
         m.rejected += 1
-        log.warning("%s: client %s reset: %s", plan.key, self.client_str(), decision.reason)
+        fwd.warn(("reset", type(decision).__name__, plan.key),
+                 "%s: client %s:%d reset: %s", plan.key, client_ip, self.client_addr[1],
+                 decision.reason)
         self.abort()
         return None
 
@@ -457,6 +519,7 @@ class Relay:
         b = a.peer
         assert b is not None
         a.eof = True
+        self.mark = -1  # a FIN is activity: close-wait is counted from here
         if a.shut:
             fwd.close_side(a)  # done both ways (closing also leaves the set)
         else:
@@ -477,6 +540,9 @@ class Relay:
         except OSError as exc:
             self.reset(b, exc)
             return
+        # Progress the byte counts do not show (they count reads): a slow
+        # reader that takes a little at a time is not idle.
+        self.mark = -1
         if sent < len(out):
             b.out = out[sent:]
             return
@@ -511,6 +577,19 @@ class Relay:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %s: %s side failed: %s", self.state.plan.key, self.client_str(),
                       "client" if broken is self.client else "endpoint", exc)
+        self.abort()
+
+    def expire(self, reason: str, idle: float) -> None:
+        """Idle past its conntrack timeout: reset both sides, count and log it."""
+        key = self.metrics.key
+        metrics.CONNECTIONS_EXPIRED.labels(key, reason).inc()
+        self.fwd.warn(
+            ("expired", reason, key),
+            "%s: connection of client %s:%d to endpoint %s:%d idle for %.0f s: reset both"
+            " sides (--conntrack-tcp-timeout-%s)",
+            key, self.client_addr[0], self.client_addr[1], self.endpoint[0], self.endpoint[1],
+            idle, reason.replace("_", "-"),
+        )
         self.abort()
 
     def _maybe_finish(self) -> None:
@@ -564,9 +643,25 @@ class Forwarder:
         connect_timeout: float = 2.0,
         transparent: bool = False,
         max_connections: int = 0,
+        tcp_timeout_established: float = TCP_TIMEOUT_ESTABLISHED,
+        tcp_timeout_close_wait: float = TCP_TIMEOUT_CLOSE_WAIT,
     ) -> None:
+        if tcp_timeout_established < 0 or tcp_timeout_close_wait < 0:
+            raise ValueError("conntrack TCP timeouts must be >= 0 (0 turns one off)")
         self.loop = loop
         self.connect_timeout = connect_timeout
+        self.tcp_timeout_established = tcp_timeout_established
+        """Idle seconds before an established connection is reset; 0: never."""
+        self.tcp_timeout_close_wait = tcp_timeout_close_wait
+        """Idle seconds after a FIN before a half-closed one is reset; 0: the
+        established timeout applies to it instead."""
+        enabled = [t for t in (tcp_timeout_established, tcp_timeout_close_wait) if t]
+        self.sweep_interval = min(min(enabled) / 4, SWEEP_MAX_INTERVAL) if enabled else 0.0
+        """Seconds between idle sweeps; 0 when both timeouts are off."""
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self.logs = RateLimitedLog(log, window=LOG_WINDOW, clock=loop.time)
+        """Every per-connection warning goes through here (``warn``)."""
+        self._log_timer: asyncio.TimerHandle | None = None
         self.transparent = transparent
         """True only while the return-path routing is installed."""
         self.max_connections = max_connections
@@ -660,8 +755,9 @@ class Forwarder:
                     # connection, not the rest of the batch.
                     relay = side.relay
                     if relay is not None:
-                        log.exception("%s: relay for %s failed", relay.state.plan.key,
-                                      relay.client_str())
+                        key = relay.state.plan.key
+                        self.warn(("relay failed", key), "%s: relay for %s failed", key,
+                                  relay.client_str(), exc_info=True)
                         relay.abort()
         finally:
             self._polling = False
@@ -739,6 +835,72 @@ class Forwarder:
         if q:
             self._deadline_timer = self.loop.call_at(q[0][0], self._expire_connects)
 
+    # -- idle expiry -------------------------------------------------------------
+
+    def start_sweeping(self) -> None:
+        """Sweep for idle connections from now on, while any is live."""
+        if self._sweep_timer is None and self.sweep_interval:
+            self._sweep_timer = self.loop.call_later(self.sweep_interval, self._sweep)
+
+    def _sweep(self) -> None:
+        """Reset the connections idle past their conntrack timeout.
+
+        Idle means: neither side's byte count moved and no flush or EOF
+        happened (``Relay.mark``) since the sweep that first saw them so.
+        Half-closed (a FIN either way) uses the close-wait timeout when it
+        is set, as conntrack's CLOSE_WAIT state does; else the established one.
+        """
+        self._sweep_timer = None
+        now = self.loop.time()
+        established = self.tcp_timeout_established
+        close_wait = self.tcp_timeout_close_wait
+        expired: list[tuple[Relay, str]] = []
+        for relay in self.active:
+            up = relay.upstream
+            if relay.phase != LINKED or up is None:
+                continue  # connecting: the connect timeout covers it
+            cl = relay.client
+            mark = cl.nbytes + up.nbytes
+            if mark != relay.mark:
+                relay.mark = mark
+                relay.idle_since = now
+                continue
+            if close_wait and (cl.eof or up.eof or cl.shut or up.shut):
+                limit, reason = close_wait, "close_wait"
+            else:
+                limit, reason = established, "established"
+            if limit and now - relay.idle_since >= limit:
+                if _unsent(cl) or _unsent(up):
+                    # Still delivering what it was given (a slow or zero-window
+                    # reader): segments, probes and ACKs flow, which conntrack
+                    # counts as activity; a peer that is gone fails by TCP's
+                    # own retransmission timeout instead.
+                    relay.idle_since = now
+                    continue
+                expired.append((relay, reason))
+        for relay, reason in expired:
+            relay.expire(reason, now - relay.idle_since)
+        if self.active:
+            self.start_sweeping()
+
+    # -- logging -----------------------------------------------------------------
+
+    def warn(self, key: tuple[str, ...], msg: str, *args: Any, exc_info: Any = None) -> None:
+        """Log a per-connection warning, rate-limited per ``key`` (cause, service).
+
+        The first of a key in ``LOG_WINDOW`` is written in full; the rest are
+        counted and summarised when the window ends (a timer makes sure it does).
+        """
+        if self.logs.warning(key, msg, *args, exc_info=exc_info) and self._log_timer is None:
+            self._log_timer = self.loop.call_later(LOG_WINDOW + _TIMER_SLACK, self._log_tick)
+
+    def _log_tick(self) -> None:
+        """Write the summaries of ended windows; come back when the next one ends."""
+        self._log_timer = None
+        due = self.logs.flush()
+        if due is not None:
+            self._log_timer = self.loop.call_at(due + _TIMER_SLACK, self._log_tick)
+
     # -- metrics -----------------------------------------------------------------
 
     def touch(self, m: PortMetrics) -> None:
@@ -792,9 +954,11 @@ class Forwarder:
     def close(self) -> None:
         """RST every live connection and release the epoll set. Idempotent."""
         self.abort_all()
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
-            self._deadline_timer = None
+        for timer in (self._deadline_timer, self._sweep_timer, self._log_timer):
+            if timer is not None:
+                timer.cancel()
+        self._deadline_timer = self._sweep_timer = self._log_timer = None
+        self.logs.flush(force=True)  # what was held back is still said
         self._deadlines.clear()
         self._sides.clear()
         if self._ep is not None:

@@ -121,3 +121,24 @@ LISTENERS = Gauge(
     ["state"],
     registry=REGISTRY,
 )
+CONNECTIONS_EXPIRED = Counter(
+    "kubeproxy_kpx_connections_expired",
+    "Connections reset for being idle past --conntrack-tcp-timeout-established"
+    " (reason established) or, half-closed, --conntrack-tcp-timeout-close-wait"
+    " (reason close_wait)",
+    ["service_port", "reason"],
+    registry=REGISTRY,
+)
+
+# Return path (client-IP preservation) self-repair, per sync period.
+RETURN_PATH_REPAIRS = Counter(
+    "kubeproxy_kpx_return_path_repairs",
+    "Return-path parts (nft_table, rule, route) found missing and restored",
+    ["part"],
+    registry=REGISTRY,
+)
+RETURN_PATH_REPAIR_FAILURES = Counter(
+    "kubeproxy_kpx_return_path_repair_failures",
+    "Sync-period checks that could not restore the return path (health fails meanwhile)",
+    registry=REGISTRY,
+)

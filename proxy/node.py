@@ -132,6 +132,25 @@ def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | Ku
         KubeConfig.load(args.kubeconfig, args.master), hub, args.hostname_override
     )
 
+    def timeout(text: str) -> float:
+        """A duration that may be 0 (off, as kube-proxy's "leave as is") but not negative."""
+        seconds = parse_duration(text)
+        if seconds < 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0 (0 turns it off)")
+        return seconds
+
+    timeout.__name__ = "duration"  # argparse names the type in "invalid duration value"
+    parser.add_argument(
+        "--conntrack-tcp-timeout-established", type=timeout, default=24 * 3600.0,
+        metavar="DURATION",
+        help="reset a connection idle (no byte either way) this long; 0: never (default 24h)",
+    )
+    parser.add_argument(
+        "--conntrack-tcp-timeout-close-wait", type=timeout, default=3600.0, metavar="DURATION",
+        help="reset a half-closed connection (one side sent FIN) idle this long;"
+        " 0: the established timeout applies (default 1h)",
+    )
+
 
 async def start_source(
     source: StateFileSource | KubeAPISource, timeout: float

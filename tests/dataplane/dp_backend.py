@@ -11,6 +11,8 @@ Commands:
     SEND <n>      send n pattern bytes, then close
     RST           reply "ok", wait for one more byte, then close with an RST
     HOLD          read nothing; keep the connection open until the client goes
+    QUIET         never send, never close: read (and drop) until EOF, then wait;
+                  ends "reset" once the proxy resets it (the idle-expiry tests)
     DRIP <n>      send one line every 50 ms, n times, then close (drain tests)
     BURST <n>     send n pattern bytes without reading, then read until EOF,
                   reply "<bytes read>" and close (both directions congested)
@@ -111,6 +113,22 @@ class Handler(socketserver.BaseRequestHandler):
         self.server.holding.set()
         while not self.server.stopping.is_set():
             time.sleep(0.05)
+
+    def do_quiet(self, s: socket.socket, arg: str) -> None:
+        s.settimeout(0.05)
+        while not self.server.stopping.is_set():
+            try:
+                if not s.recv(65536):
+                    break  # EOF: stay half-open (CLOSE_WAIT) and say nothing
+            except TimeoutError:
+                continue
+        self.server.holding.set()
+        # After EOF a reset shows only as the socket's pending error (EPIPE in
+        # CLOSE_WAIT), which SO_ERROR reads.
+        while not self.server.stopping.is_set():
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                raise ConnectionResetError("reset while half-closed")
+            time.sleep(0.02)
 
     def do_drip(self, s: socket.socket, arg: str) -> None:
         for i in range(int(arg)):
