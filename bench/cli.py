@@ -68,6 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="idle connections for mem (default 10000, capped by RLIMIT_NOFILE)")
     parser.add_argument("--control-sizes", type=_sizes, default=[1000, 10000], metavar="N,N",
                         help="service counts for control apply/idle (default 1000,10000)")
+    parser.add_argument("--stall-services", type=int, default=50000, metavar="N",
+                        help="services in the state whose apply the stall probes time "
+                             "(default 50000, of which at most 10000 NodePorts; 0 skips)")
     parser.add_argument("--changes", type=int, metavar="N",
                         help="endpoint changes for convergence (default 100, quick 20)")
     parser.add_argument("--idle-seconds", type=float, metavar="S",
@@ -101,6 +104,7 @@ def build_config(args: argparse.Namespace) -> Config:
     )
     control = ControlSettings(
         sizes=tuple(args.control_sizes),
+        stall_services=max(0, args.stall_services),
         changes=args.changes if args.changes is not None else (20 if q else 100),
         idle_seconds=args.idle_seconds if args.idle_seconds is not None else (2.0 if q else 5.0),
     )

@@ -349,9 +349,18 @@ class Kpx(ProcessContender):
             return "not available: `kpx node --help` shows no --workers"
         return None
 
+    healthz_bind: str | None = None
+    """``IP:PORT`` to run kpx's healthz sidecar on (the control stall workload probes
+    ``/healthz``); None runs ``--no-healthz``, as every other workload does."""
+
     def argv(self) -> list[str]:
         argv = [self.kpx, "node", "--hostname-override", "node1",
-                "--state", str(self.state_path), "--no-healthz"]
+                "--state", str(self.state_path)]
+        if self.healthz_bind:
+            argv += ["--healthz-bind-address", self.healthz_bind,
+                     "--metrics-bind-address", "127.0.0.1:10249"]
+        else:
+            argv.append("--no-healthz")
         if self.workers:
             argv += ["--workers", str(self.workers)]
         return argv

@@ -20,6 +20,15 @@ line. So:
 - **idle**: utime+stime of the kpx process tree over a few idle seconds with
   N services loaded, in percent of one core (clock-tick resolution: 10 ms of
   CPU, i.e. 0.2% over 5 s).
+- **stall**: while kpx (healthz on, node1's IP) applies a 50,000-service state,
+  a fresh connection through an existing NodePort and a fresh ``/healthz``
+  request start every 10 ms from the client, open loop (``bench.prober``
+  says why); their latencies give p50/p99/max, target p99 <= 50 ms. Of the
+  50,000 services, 10,000 are NodePorts and the rest ClusterIP (with slices,
+  so parsed and linked like the others): 50,000 listeners need 50,000 fds
+  and the hard RLIMIT_NOFILE here is 20,000 (and 50,000 nodePorts do not fit
+  a port range anyway). A probe that errors fails the run; one that times out
+  counts at the timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import random
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,12 +45,16 @@ from typing import Any
 from bench import k8s_state
 from bench.backends import HTTP_PORT
 from bench.contenders import ContenderError, Kpx, bench_state, http_get
+from bench.prober import ProbeProcess, ProbeSeries, ProbeTarget, probe_open_loop
 from bench.procs import cpu_seconds, nofile_hard_limit, wait_until
 from bench.results import Run
 from bench.topology import NODE1_IP, POD1_ALT_IP, POD1_IP, POD2_IP, listening_ports
 
 CONV_NODE_PORT = 30402
 CONV_NAMES = ("pod1-a", "pod1-b")
+HEALTHZ_PORT = 10256
+STALL_FD_RESERVE = 4000
+"""Descriptors kept free beside the stall state's listeners: probe relays (2 each)."""
 SYNC_LOG = re.compile(r"generation \d+|\bsync\w* .*\d|\bappl\w* .*\d", re.I)
 """kpx's own account of a state load, recorded beside the externally timed apply."""
 
@@ -57,6 +71,14 @@ class ControlSettings:
     change_timeout: float = 10.0
     seed: int = 5
     pause_range: tuple[float, float] = (0.05, 0.25)
+    stall_services: int = 50000
+    """0 skips the stall workload."""
+    stall_node_ports: int = 10000
+    """How many of ``stall_services`` are NodePorts (one listener fd each)."""
+    stall_interval: float = 0.01
+    stall_tail: float = 1.0
+    """Probing goes on this long after the last listener is up."""
+    stall_probe_timeout: float = 10.0
     endpoints: tuple[tuple[str, str], ...] = field(default_factory=lambda: (
         (POD1_IP, "node1"), (POD1_ALT_IP, "node1"), (POD2_IP, "node2")))
 
@@ -253,11 +275,96 @@ class Control:
             "converge_p99_ms": percentile(samples, 99),
         }, detail=detail)
 
+    def stall_state(self) -> tuple[str, int]:
+        """The stall workload's state and its NodePort count (clamped to the fd budget)."""
+        n = self.cs.stall_services
+        node_ports = max(0, min(self.cs.stall_node_ports, n,
+                                nofile_hard_limit() - STALL_FD_RESERVE))
+        extra = k8s_state.many_services(node_ports, self.cs.first_port, self.eps, HTTP_PORT)
+        extra += k8s_state.cluster_ip_services(n - node_ports, self.eps, HTTP_PORT)
+        return bench_state("local", *self.base_ports, extra=extra), node_ports
+
+    def stall(self) -> Run:
+        """New-connection and /healthz latency while a big state is applied."""
+        cs = self.cs
+        targets = [ProbeTarget("conn", NODE1_IP, self.base_ports[0]),
+                   ProbeTarget("healthz", NODE1_IP, HEALTHZ_PORT,
+                               b"GET /healthz HTTP/1.0\r\nHost: bench\r\n\r\n")]
+        ready = wait_until(lambda: self._answers(targets), 10.0, 0.05)
+        if not ready:
+            return Run.failed(self._dead() or "NodePort or /healthz never answered before "
+                              "the apply")
+        text, node_ports = self.stall_state()
+        detail: dict[str, Any] = {
+            "services": cs.stall_services, "node_ports": node_ports,
+            "cluster_ip_services": cs.stall_services - node_ports,
+            "state_bytes": len(text.encode()), "probe_interval_s": cs.stall_interval,
+            "nofile_hard_limit": nofile_hard_limit()}
+        data = text.encode()  # encoded now: not while the probes run
+        prober = ProbeProcess(self.topo.exec_argv("client", []), targets, cs.stall_interval,
+                              cs.apply_timeout + cs.stall_tail, cs.stall_probe_timeout)
+        try:
+            # 0.3 s of probes before the write: the baseline the stall stands out from.
+            if wait_until(lambda: prober.proc.poll() is not None, 0.3, 0.05):
+                return Run.failed(f"prober exited early: {prober.finish()}", **detail)
+            t0 = time.monotonic()
+            k8s_state.write_atomic_bytes(self.kpx.state_path, data)
+            # A slow poll: each one dumps up to 10,000 sockets, CPU the two cores
+            # kpx runs on would otherwise lose to the harness (apply_s is a by-product).
+            ok, count = self.wait_count(node_ports, lambda c: c >= node_ports, 0.25)
+            detail["apply_s"] = round(time.monotonic() - t0, 3)
+            if ok:
+                time.sleep(cs.stall_tail)
+            series = prober.finish()
+        finally:
+            prober.kill()
+        for name, ser in series.items():
+            detail[name] = _series_detail(ser)
+        detail["kpx_log"] = self._last_sync_line()
+        if self._dead():
+            return Run.failed(str(self._dead()), **detail)
+        if not ok:
+            return Run.failed(f"only {count} of {node_ports} NodePorts listening after "
+                              f"{detail['apply_s']:.0f}s{self._log_hint()}", **detail)
+        metrics: dict[str, float] = {}
+        for name, ser in series.items():
+            if ser.errors or ser.bad_status:
+                first = ser.errors[0] if ser.errors else "a non-200 answer"
+                return Run.failed(f"{name} probes: {len(ser.errors)} errors, {ser.bad_status} "
+                                  f"non-200 during the apply (first: {first})", **detail)
+            if not ser.latencies_ms:
+                return Run.failed(f"{name} probes: no sample", **detail)
+            metrics[f"stall_{name}_p50_ms"] = statistics.median(ser.latencies_ms)
+            metrics[f"stall_{name}_p99_ms"] = percentile(ser.latencies_ms, 99)
+            metrics[f"stall_{name}_max_ms"] = max(ser.latencies_ms)
+        return Run(ok=True, metrics=metrics, detail=detail)
+
+    def _answers(self, targets: list[ProbeTarget]) -> bool:
+        """Every target answers one probe with a 200 (kpx is up, healthz included)."""
+        got = self.topo.thread("client").call(
+            probe_open_loop, targets, 1.0, threading.Event(), 0.5, 2.0)
+        return all(s.latencies_ms and not s.errors and not s.bad_status
+                   for s in got.values())
+
     def _try_probe(self) -> str | None:
         try:
             return self._probe()
         except OSError:
             return None
+
+
+def _series_detail(ser: ProbeSeries) -> dict[str, Any]:
+    lat = ser.latencies_ms
+    return {"probes": ser.sent, "timeouts": ser.timeouts, "errors": len(ser.errors),
+            "first_errors": ser.errors[:3], "bad_status": ser.bad_status,
+            "skipped": ser.skipped,
+            "p50_ms": round(statistics.median(lat), 3) if lat else None,
+            "p99_ms": round(percentile(lat, 99), 3) if lat else None,
+            "max_ms": round(max(lat), 3) if lat else None,
+            "over_50ms": sum(1 for x in lat if x > 50.0),
+            "slow_due_s": [round(d, 3) for d, x in zip(ser.due_s, lat, strict=True)
+                           if x > 50.0][:50]}
+    """When (seconds after probing began, the write ~0.3 s later) the slow probes were due."""
 
 
 def run_control(kpx: Kpx, cs: ControlSettings, runs: int,
@@ -290,6 +397,10 @@ def run_control(kpx: Kpx, cs: ControlSettings, runs: int,
                            ctl.idle(n) if run.ok else Run.failed(f"apply {n} failed"))
             finally:
                 kpx.stop()
+        if cs.stall_services > 0:
+            on_step(f"control round {r + 1}/{runs}: probing during a "
+                    f"{cs.stall_services}-service apply")
+            on_run(f"stall-{cs.stall_services}", r, _stall_round(kpx, cs))
         if cs.changes <= 0:
             continue
         on_step(f"control round {r + 1}/{runs}: starting kpx for convergence")
@@ -306,3 +417,18 @@ def run_control(kpx: Kpx, cs: ControlSettings, runs: int,
             on_run("converge", r, Control(kpx, cs).converge(prog))
         finally:
             kpx.stop()
+
+
+def _stall_round(kpx: Kpx, cs: ControlSettings) -> Run:
+    """A fresh kpx with its healthz sidecar on node1's IP, through one stall run."""
+    kpx.healthz_bind = f"{NODE1_IP}:{HEALTHZ_PORT}"
+    try:
+        kpx.start("local")
+    except ContenderError as e:
+        kpx.stop()
+        return Run.failed(f"start: {e}")
+    else:
+        return Control(kpx, cs).stall()
+    finally:
+        kpx.stop()
+        kpx.healthz_bind = None

@@ -62,7 +62,9 @@ def cluster_ip(index: int) -> str:
     return f"10.{96 + (n >> 16)}.{(n >> 8) & 255}.{n & 255}"
 
 
-def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluster") -> str:
+def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluster",
+                svc_type: str = "NodePort") -> str:
+    """A Service; ``svc_type="ClusterIP"`` has no nodePort and no traffic policy."""
     lines = [
         "apiVersion: v1",
         "kind: Service",
@@ -70,21 +72,21 @@ def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluste
         f"  name: {name}",
         f"  namespace: {NAMESPACE}",
         "spec:",
-        "  type: NodePort",
+        f"  type: {svc_type}",
         f"  clusterIP: {cluster_ip(index)}",
-        f"  externalTrafficPolicy: {etp}",
-        "  selector:",
-        f"    app: {name}",
-        "  ports:",
     ]
+    if svc_type != "ClusterIP":
+        lines.append(f"  externalTrafficPolicy: {etp}")
+    lines += ["  selector:", f"    app: {name}", "  ports:"]
     for p in ports:
         lines += [
             f"  - name: {p.name}",
             "    protocol: TCP",
             f"    port: {p.port}",
             f"    targetPort: {p.target}",
-            f"    nodePort: {p.node_port}",
         ]
+        if svc_type != "ClusterIP":
+            lines.append(f"    nodePort: {p.node_port}")
     return "\n".join(lines) + "\n"
 
 
@@ -122,13 +124,14 @@ class ServiceSpec:
     ports: tuple[Port, ...]
     endpoints: tuple[Ep, ...]
     etp: str = "Cluster"
+    type: str = "NodePort"
 
 
 def render(nodes: Iterable[tuple[str, str]], services: Iterable[ServiceSpec]) -> str:
     """A whole state: nodes (name, InternalIP) then each service with its slice."""
     docs = [node_doc(n, ip) for n, ip in nodes]
     for i, s in enumerate(services):
-        docs.append(service_doc(s.name, i, s.ports, s.etp))
+        docs.append(service_doc(s.name, i, s.ports, s.etp, s.type))
         docs.append(slice_doc(s.name, s.endpoints, s.ports))
     return "---\n".join(docs)
 
@@ -144,6 +147,31 @@ def many_services(count: int, first_node_port: int, endpoints: tuple[Ep, ...],
         )
         for i in range(count)
     ]
+
+
+def cluster_ip_services(count: int, endpoints: tuple[Ep, ...], target: int,
+                        prefix: str = "cip") -> list[ServiceSpec]:
+    """``count`` one-port ClusterIP services with their slices: parsed, never listened on.
+
+    The stall workload's 50,000-service state is mostly these: a NodePort
+    needs a listener (one fd) and a unique port, and neither 50,000 fds (the
+    RLIMIT_NOFILE hard limit here is 20,000) nor 50,000 ports in a NodePort
+    range exist, whereas a big cluster's services are mostly ClusterIP.
+    """
+    return [
+        ServiceSpec(name=f"{prefix}-{i:05d}", ports=(Port("http", 80, target, 0),),
+                    endpoints=endpoints, type="ClusterIP")
+        for i in range(count)
+    ]
+
+
+def write_atomic_bytes(path: Path, data: bytes) -> None:
+    """``write_atomic`` of bytes already encoded (no GIL-holding encode while timing)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+    os.replace(tmp, path)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -50,7 +50,7 @@ def _path_order(table: CellTable, path: str | None) -> tuple[int, int]:
 
 
 def _wl_order(w: str) -> tuple[int, str]:
-    fams = ("bulk", "rr", "cps", "mem", "apply", "idle", "converge")
+    fams = ("bulk", "rr", "cps", "mem", "apply", "idle", "converge", "stall")
     f = family(w)
     size = w.split("-", 1)[1] if "-" in w else ""
     return (fams.index(f) if f in fams else 99, size.zfill(9))

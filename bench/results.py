@@ -58,6 +58,18 @@ METRICS: dict[str, Metric] = {
         Metric("idle_cpu_pct", "idle", "% core", False, "idle CPU"),
         Metric("converge_p50_ms", "converge", "ms", False, "endpoint change p50", "p50"),
         Metric("converge_p99_ms", "converge", "ms", False, "endpoint change p99", "p99"),
+        Metric("stall_conn_p50_ms", "stall", "ms", False,
+               "new connection during big apply p50", "conn p50"),
+        Metric("stall_conn_p99_ms", "stall", "ms", False,
+               "new connection during big apply p99", "conn p99"),
+        Metric("stall_conn_max_ms", "stall", "ms", False,
+               "new connection during big apply max", "conn max"),
+        Metric("stall_healthz_p50_ms", "stall", "ms", False,
+               "/healthz during big apply p50", "healthz p50"),
+        Metric("stall_healthz_p99_ms", "stall", "ms", False,
+               "/healthz during big apply p99", "healthz p99"),
+        Metric("stall_healthz_max_ms", "stall", "ms", False,
+               "/healthz during big apply max", "healthz max"),
     )
 }
 
@@ -299,6 +311,10 @@ TARGETS: tuple[Target, ...] = (
            workload="apply-10000"),
     Target("converge", "endpoint-change convergence p99", "<= 100 ms", "converge_p99_ms",
            "<=", 100.0),
+    Target("stall_conn", "new connection p99 during a 50,000-service apply", "<= 50 ms",
+           "stall_conn_p99_ms", "<=", 50.0, workload="stall-50000"),
+    Target("stall_healthz", "/healthz p99 during a 50,000-service apply", "<= 50 ms",
+           "stall_healthz_p99_ms", "<=", 50.0, workload="stall-50000"),
     Target("workers", "--workers 2 rr", ">= 1.7x one worker", "req_per_s", ">=", 1.7,
            subject="kpx-w2", ref="kpx"),
 )

@@ -269,7 +269,8 @@ class Bench:
                     1 for c in names if w != "mem" or c not in ("direct", "kernel"))
         if "control" in self.cfg.workloads and "kpx" in names:
             cs = self.cfg.control
-            n += self.cfg.runs * (2 * len(cs.sizes) + (1 if cs.changes > 0 else 0))
+            n += self.cfg.runs * (2 * len(cs.sizes) + (1 if cs.changes > 0 else 0)
+                                  + (1 if cs.stall_services > 0 else 0))
         return n
 
     def estimate_seconds(self) -> float:
@@ -289,7 +290,8 @@ class Bench:
         if "control" in self.cfg.workloads and "kpx" in self.cfg.contenders:
             cs = self.cfg.control
             total += self.cfg.runs * (len(cs.sizes) * (cs.idle_seconds + 6.0)
-                                      + cs.changes * 0.5 + 3.0)
+                                      + cs.changes * 0.5 + 3.0
+                                      + (15.0 if cs.stall_services > 0 else 0.0))
         return total + 10.0
 
     # ---- results -----------------------------------------------------------------
@@ -450,6 +452,7 @@ class Bench:
         cs = self.cfg.control
         names = [f"apply-{n}" for n in cs.sizes] + [f"idle-{n}" for n in cs.sizes]
         names += ["converge"] if cs.changes else []
+        names += [f"stall-{cs.stall_services}"] if cs.stall_services > 0 else []
         if not self.availability["kpx"]["available"]:
             for w in names:
                 self.table.mark(None, w, "kpx", "unavailable", self.availability["kpx"]["reason"])

@@ -175,6 +175,11 @@ class SyncMetrics:
         self._triggers: dict[tuple[str, str], float] = {}
         self._plans = PlanCache()
 
+    def prepare(self, snapshot: Snapshot) -> None:
+        """Build ``snapshot``'s plans into the cache now (a hub preparer's thread),
+        so the ``sync`` on the loop that answers /healthz reuses every one."""
+        build_plans(snapshot, self.node_name, cache=self._plans)
+
     def sync(self, snapshot: Snapshot) -> None:
         try:
             plans = build_plans(snapshot, self.node_name, cache=self._plans)

@@ -15,7 +15,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("proxy.node", "run the NodePort dataplane (and healthz) on this node"),
-    "check": ("proxy.source", "validate a state file and print every problem"),
+    "check": ("proxy.check", "validate a state file and print every problem"),
     "healthz": ("healthz.cli", "run the healthz sidecar alone"),
     "lab": ("lab.cli", "build and drive a multi-node network-namespace lab"),
     "demo": ("lab.demos", "narrated demos: local-drop, healthcheck, source-ip"),

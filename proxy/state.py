@@ -59,12 +59,36 @@ class StateHub:
     Readers are called synchronously, in subscription order, on the event
     loop thread. A reader that raises is logged and skipped: one broken
     reader must never leave the others on a stale state.
+
+    Preparers (``add_preparer``) are the part of a reader's work that is pure
+    and slow (``build_plans`` of 50,000 services: 70 ms). A source that
+    builds snapshots in a worker thread calls ``prepare`` there, before
+    ``publish``, so the readers find their caches warm and the loop, which
+    forwards traffic, is not held. A source that does not call it loses
+    nothing but that head start.
     """
 
     def __init__(self, health: ProxyHealth | None = None) -> None:
         self.snapshot: Snapshot | None = None
         self.health = health or ProxyHealth()
         self._readers: list[Reader] = []
+        self._preparers: list[Reader] = []
+
+    def add_preparer(self, preparer: Reader) -> None:
+        self._preparers.append(preparer)
+
+    def remove_preparer(self, preparer: Reader) -> None:
+        if preparer in self._preparers:
+            self._preparers.remove(preparer)
+
+    def prepare(self, snapshot: Snapshot) -> None:
+        """Run every preparer on ``snapshot`` in the calling (worker) thread; never raises.
+
+        The caller publishes ``snapshot`` next and calls neither method
+        concurrently with ``publish``: preparers may share caches with readers.
+        """
+        for preparer in list(self._preparers):
+            _call("preparer", preparer, snapshot)
 
     def subscribe(self, reader: Reader) -> None:
         self._readers.append(reader)
@@ -88,13 +112,18 @@ class StateHub:
             self.health.updated()
 
     def _deliver(self, reader: Reader, snapshot: Snapshot) -> bool:
-        try:
-            reader(snapshot)
-        except Exception:
-            log.exception(
-                "state reader %s failed on generation %d",
-                getattr(reader, "__qualname__", reader),
-                snapshot.generation,
-            )
-            return False
-        return True
+        return _call("reader", reader, snapshot)
+
+
+def _call(role: str, fn: Reader, snapshot: Snapshot) -> bool:
+    """``fn(snapshot)``; False (logged with its name) if it raised: one broken
+    reader or preparer must never keep the snapshot from the others."""
+    try:
+        fn(snapshot)
+    except Exception:
+        log.exception(
+            "state %s %s failed on generation %d",
+            role, getattr(fn, "__qualname__", fn), snapshot.generation,
+        )
+        return False
+    return True

@@ -74,7 +74,22 @@ class Fake:
         print(f"fake kpx synced {len(routes)} NodePorts in "
               f"{(time.perf_counter() - t0) * 1000:.1f} ms", file=sys.stderr, flush=True)
 
-    async def run(self) -> None:
+    async def healthz(self, bind: str) -> None:
+        """A bare ``/healthz`` (200 once a state is loaded), for the stall workload's probes."""
+
+        async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                await r.readuntil(b"\r\n\r\n")
+                w.write(b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+                await w.drain()
+            w.close()
+
+        host, _, port = bind.rpartition(":")
+        await asyncio.start_server(answer, host, int(port), reuse_address=True)
+
+    async def run(self, healthz: str | None = None) -> None:
+        if healthz:
+            await self.healthz(healthz)
         while True:
             with contextlib.suppress(FileNotFoundError):
                 await self.sync()
@@ -88,8 +103,10 @@ def main() -> int:
     n.add_argument("--hostname-override", required=True)
     n.add_argument("--state", required=True)
     n.add_argument("--no-healthz", action="store_true")
+    n.add_argument("--healthz-bind-address", default=None)
+    n.add_argument("--metrics-bind-address", default=None)
     a = ap.parse_args()
-    asyncio.run(Fake(a.state, a.hostname_override).run())
+    asyncio.run(Fake(a.state, a.hostname_override).run(a.healthz_bind_address))
     return 0
 
 

@@ -145,6 +145,8 @@ def test_targets_follow_the_issue_table() -> None:
         "mem": ("kib_per_conn", "<=", 16.0, None),
         "apply": ("apply_s", "<=", 1.0, None),
         "converge": ("converge_p99_ms", "<=", 100.0, None),
+        "stall_conn": ("stall_conn_p99_ms", "<=", 50.0, None),
+        "stall_healthz": ("stall_healthz_p99_ms", "<=", 50.0, None),
         "workers": ("req_per_s", ">=", 1.7, "kpx"),
     }
 

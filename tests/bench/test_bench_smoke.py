@@ -121,14 +121,19 @@ def test_control_plumbing_with_a_stand_in_kpx(tmp_path: Path) -> None:
         contenders=["kpx"], out=tmp_path, kpx=fake_kpx(tmp_path),
         settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0}, pause=0.1),
         control=ControlSettings(sizes=(20, 60), changes=5, conv_services=20,
-                                idle_seconds=0.5, apply_timeout=30.0),
+                                idle_seconds=0.5, apply_timeout=30.0,
+                                stall_services=200, stall_node_ports=40, stall_tail=0.3),
     )
     _doc, table, text = run_bench(cfg)
-    for w in ("apply-20", "apply-60", "idle-20", "idle-60", "converge"):
+    for w in ("apply-20", "apply-60", "idle-20", "idle-60", "converge", "stall-200"):
         cell = table.get(None, w, "kpx")
         assert cell is not None and cell.status == "ok", (w, cell and cell.reason, text)
     conv = table.get(None, "converge", "kpx")
     assert len(conv.runs[0].detail["samples_ms"]) == 5
+    stall = table.get(None, "stall-200", "kpx").runs[0]
+    assert stall.detail["node_ports"] == 40 and stall.detail["cluster_ip_services"] == 160
+    assert stall.detail["conn"]["probes"] > 10 and stall.detail["healthz"]["probes"] > 10
+    assert {"stall_conn_p99_ms", "stall_healthz_p99_ms"} <= set(stall.metrics)
     assert table.get("local", "rr", "kpx").status == "ok"
     assert table.get("local", "rr", "kpx-w2") is None
 
