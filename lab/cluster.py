@@ -389,6 +389,15 @@ class Lab:
         proc = self._proxies.get(node)
         return bool(proc and proc.alive())
 
+    def listener_pids(self, node: str, port: int) -> set[int]:
+        """Pids of the processes holding a TCP socket that listens on *port* in *node*.
+
+        How a restart test tells "the new kpx node is up": its own pid
+        listens on the NodePort, not the old one's.
+        """
+        out = self.run(node, ["ss", "-Hltnp", f"sport = :{port}"]).stdout
+        return {int(m) for m in re.findall(r"pid=(\d+)", out)}
+
     def pod_terminating(self, name: str) -> bool:
         return self._pod(name).terminating
 
@@ -657,6 +666,25 @@ class Lab:
             raw = self.spec.to_dict()
             raw["services"] = [s for s in self.spec.services if service_key(s) != key]
             self.apply(raw)
+
+    def restart_proxy(self, node: str) -> tuple[int, int]:
+        """Restart *node*'s ``kpx node`` as an operator does; returns (old pid, new pid).
+
+        SIGTERM to the old process and the new one started at once, while
+        the old one drains: the new one waits for the old one's handover of
+        the namespace (``proxy.ownership``). Nothing here waits for the new
+        one to be ready; the old one stays recorded (``down`` still kills it
+        if it is still draining) until it exits.
+        """
+        with self._mutating():
+            old = self._proxies[node]
+            if not old.alive():
+                raise LabError(f"kpx node on {node} (pid {old.pid}) is not running")
+            os.kill(old.pid, signal.SIGTERM)
+            self._start_proxy(node)
+            self._extra.append(replace(old, role=f"{old.role} (draining)"))
+            self._save()
+            return old.pid, self._proxies[node].pid
 
     def delete_pod(self, name: str, grace: float = 30.0) -> None:
         """Delete a pod gracefully: terminating for *grace* seconds, then gone.

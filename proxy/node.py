@@ -9,6 +9,11 @@ Never: make a forwarding decision or touch a socket itself.
 
 Signals: SIGTERM/SIGINT stop accepting, let established connections drain up
 to ``--shutdown-grace``, then exit 0. SIGHUP re-reads the state file.
+
+One instance per network namespace (``proxy.ownership``): a second one exits
+at once. SIGTERM hands the namespace over as soon as the listeners and health
+ports are closed, so a new ``kpx node`` started then serves while the old one
+drains; the return path stays until the last of them exits.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from proxy import metrics
+from proxy.check import add_max_bytes_flag
 from proxy.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.model import Snapshot
-from proxy.source import StateFileSource
+from proxy.ownership import Ownership, OwnershipError
+from proxy.source import DEFAULT_MAX_BYTES, StateFileSource
 from proxy.state import ProxyHealth, StateHub
+from proxy.transparent import ReturnPathGuard, TransparentRouting
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,7 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         "--sync-period", type=parse_duration, default=30.0, metavar="DURATION",
         help="health turns bad when an update waits longer than twice this (default 30s)",
     )
+    add_max_bytes_flag(parser)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -121,17 +130,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="upstream connect timeout per endpoint before trying another (default 2s)",
     )
 
-
-def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | KubeAPISource:
-    """The state file if one is named, else the Kubernetes API (as kube-proxy reads it)."""
-    if args.state is not None:
-        if args.kubeconfig is not None or args.master is not None:
-            raise KubeConfigError("--state excludes --kubeconfig and --master")
-        return StateFileSource(args.state, hub)
-    return KubeAPISource(
-        KubeConfig.load(args.kubeconfig, args.master), hub, args.hostname_override
-    )
-
     def timeout(text: str) -> float:
         """A duration that may be 0 (off, as kube-proxy's "leave as is") but not negative."""
         seconds = parse_duration(text)
@@ -152,6 +150,19 @@ def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | Ku
     )
 
 
+def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | KubeAPISource:
+    """The state file if one is named, else the Kubernetes API (as kube-proxy reads it)."""
+    if args.state is not None:
+        if args.kubeconfig is not None or args.master is not None:
+            raise KubeConfigError("--state excludes --kubeconfig and --master")
+        return StateFileSource(
+            args.state, hub, max_bytes=getattr(args, "state_max_bytes", DEFAULT_MAX_BYTES)
+        )
+    return KubeAPISource(
+        KubeConfig.load(args.kubeconfig, args.master), hub, args.hostname_override
+    )
+
+
 async def start_source(
     source: StateFileSource | KubeAPISource, timeout: float
 ) -> asyncio.Task[None]:
@@ -159,9 +170,11 @@ async def start_source(
 
     Applying first means a node whose healthz answers already has its NodePorts
     listening (bounded by ``timeout`` for the API, which may be unreachable).
+    The file is read and parsed in a worker thread, as every later load is:
+    ``kpx healthz`` already serves while it starts.
     """
     if isinstance(source, StateFileSource):
-        source.load()
+        await source.load_async()
     task = asyncio.create_task(source.run(), name="state-source")
     if isinstance(source, KubeAPISource):
         await source.wait_synced(timeout=timeout)
@@ -209,10 +222,25 @@ async def serve(args: argparse.Namespace) -> int:
         reuse_port=workers > 1,
         workers=workers,
         install_routing=workers == 1,
+        tcp_timeout_established=args.conntrack_tcp_timeout_established,
+        tcp_timeout_close_wait=args.conntrack_tcp_timeout_close_wait,
     )
     hub.subscribe(timed_reader(dataplane.apply))
+    hub.add_preparer(dataplane.prepare)  # plans built in the source's worker thread
 
     watcher = await start_source(source, args.sync_period)
+
+    # The namespace's owner (worker 0 for --workers) keeps the return path
+    # whole, as kube-proxy re-syncs its rules every sync period.
+    ownership: Ownership | None = getattr(args, "ownership", None)
+    if ownership is not None:
+        ownership.attach(loop)
+    guard: asyncio.Task[None] | None = None
+    if dataplane.transparent_active and worker_index == 0:
+        guard = asyncio.create_task(
+            ReturnPathGuard(TransparentRouting(), hub.health, args.sync_period).run(),
+            name="return-path-guard",
+        )
 
     sidecar = None
     if not args.no_healthz and worker_index == 0:
@@ -234,12 +262,21 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("state source died", exc_info=watcher.exception())
 
     log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
+    if ownership is not None:
+        ownership.stopping()  # a successor started now waits for the handover
+    if guard is not None:
+        guard.cancel()  # only the owner repairs; a successor takes that over
     source.stop()
     await dataplane.stop_accepting()
     if sidecar is not None:
         await sidecar.stop()
+    if ownership is not None:
+        # Listeners and health ports are closed: a new kpx node binds them now,
+        # while this one drains on the return path they share.
+        ownership.release()
+        log.info("released this network namespace: a new kpx node may take over")
     await dataplane.drain(args.shutdown_grace)
-    dataplane.close()
+    dataplane.close()  # removes the return path only if no other kpx is present
     watcher.cancel()
     stopper.cancel()
     log.info("kpx node %s stopped", args.hostname_override)
@@ -272,15 +309,30 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check the flags, claim the network namespace, then serve (one process or N workers).
+
+    The claim comes before any port or routing is touched: a second
+    ``kpx node`` here exits at once (status 1) naming the one that serves,
+    instead of retrying its ports forever and deleting the routing the other
+    one needs when it exits (``proxy.ownership``).
+    """
     raise_nofile_limit()
-    if args.workers > 1:
-        from proxy.workers import supervise
+    try:  # fail on bad flags before anything touches the namespace
+        make_source(args, StateHub())
+    except KubeConfigError as e:
+        log.error("%s", e)
+        return 2
+    try:
+        ownership = Ownership.acquire()
+    except OwnershipError as e:
+        log.error("%s", e)
+        return 1
+    args.ownership = ownership
+    try:
+        if args.workers > 1:
+            from proxy.workers import supervise
 
-        try:  # fail on bad flags before the supervisor installs any routing
-            make_source(args, StateHub())
-        except KubeConfigError as e:
-            log.error("%s", e)
-            return 2
-
-        return supervise(args, run_worker)
-    return run_worker(args)
+            return supervise(args, run_worker)
+        return run_worker(args)
+    finally:
+        ownership.close()

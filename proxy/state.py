@@ -10,7 +10,9 @@ Never: parse files or open sockets. Sources (``proxy.source``) call
 
 Health follows ``pkg/proxy/healthcheck/proxy_health.go``: a snapshot that has
 been queued but not applied for ``2 x sync period`` makes the proxy unhealthy;
-applying it (``updated``) makes it healthy again.
+applying it (``updated``) makes it healthy again. A *fault* (``set_fault``,
+e.g. the transparent return path deleted and not restorable) makes it
+unhealthy until cleared: the rules kube-proxy would have failed to apply.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class ProxyHealth:
         self._clock = clock
         self.last_updated: float = clock()
         self.oldest_pending: float | None = None
+        self.faults: dict[str, str] = {}
+        """Known-broken dataplane parts (name -> why), e.g. a return path that
+        cannot be restored: the rules are not in force, which is what an
+        update that never applies means upstream, so health fails alike."""
 
     def queued(self) -> None:
         if self.oldest_pending is None:
@@ -44,7 +50,15 @@ class ProxyHealth:
         self.oldest_pending = None
         self.last_updated = self._clock()
 
+    def set_fault(self, name: str, why: str) -> None:
+        self.faults[name] = why
+
+    def clear_fault(self, name: str) -> None:
+        self.faults.pop(name, None)
+
     def healthy(self) -> bool:
+        if self.faults:
+            return False
         if self.oldest_pending is None:
             return True
         return self._clock() - self.oldest_pending < self.timeout

@@ -14,9 +14,16 @@ This is the kernel's TPROXY recipe (Documentation/networking/tproxy.rst,
 kpx decision 4). It only works toward endpoints on this node, whose replies
 route back through it; that is why cross-node hops SNAT.
 
+The routing is the namespace's, not the process's: a successor started
+while its predecessor drains shares it. So ``install`` only adds what is
+missing (no delete-then-add window), ``remove`` runs only when no other kpx
+is present (``proxy.ownership``), and ``ReturnPathGuard`` puts back, every
+sync period, whatever something outside kpx deleted.
+
 Never: touch any namespace other than the current one, or anything that is
-not ours (the table, rule and route are matched exactly when removed). A
-failure at any step (no CAP_NET_ADMIN, no ``nft``, no ``nft_socket``) is one
+not ours (the table, rule and route are matched exactly when removed), or
+remove routing while another kpx process in the namespace is alive. A
+failure at start (no CAP_NET_ADMIN, no ``nft``, no ``nft_socket``) is one
 warning and a fallback to SNAT for everything; it never stops the dataplane.
 
 Why subprocesses and not pyroute2: the dataplane runs inside a uvloop event
@@ -24,16 +31,27 @@ loop, and pyroute2 0.9's synchronous ``IPRoute`` drives its own asyncio loop
 (``run_until_complete`` refuses to run inside a running loop) while its
 netlink endpoint cannot be created on uvloop at all ("cannot open a UDP
 handle, invalid family 16"). ``ip`` and ``nft`` are required system tools
-anyway, and this runs once at start and once at exit.
+anyway; they run at start, at exit, and once per sync period in an
+executor thread (the guard's check), never on the event loop while it serves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from proxy import metrics
+from proxy.ownership import BASE_NAME, live_pids, routing_lock
+
+if TYPE_CHECKING:
+    from proxy.state import ProxyHealth
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +128,79 @@ def transparent_capable() -> OSError | None:
     return None
 
 
+PART_NFT = "nft_table"
+PART_RULE = "rule"
+PART_ROUTE = "route"
+PARTS = (PART_NFT, PART_RULE, PART_ROUTE)
+"""The pieces of the return path, as logs and the repair metric name them."""
+
+
+def _nft_table_ok(listing: str, cfg: RoutingConfig) -> bool:
+    """Does ``nft -j list table`` show our prerouting chain and its marking rule?
+
+    Loose on purpose: another nft version may print the same rule with other
+    detail, and a false "missing" would replace the table every sync period.
+    """
+    try:
+        doc = json.loads(listing)
+    except ValueError:
+        return False
+    items = doc.get("nftables", []) if isinstance(doc, dict) else []
+    chains = {
+        c["name"] for item in items if isinstance(c := item.get("chain"), dict)
+        if c.get("hook") == "prerouting" and c.get("type") == "filter"
+    }
+    for item in items:
+        rule = item.get("rule")
+        if not isinstance(rule, dict) or rule.get("chain") not in chains:
+            continue
+        exprs = rule.get("expr", [])
+        if not isinstance(exprs, list):
+            continue
+        marks = [json.dumps(e["mangle"]) for e in exprs if isinstance(e, dict) and "mangle" in e]
+        if '"transparent"' in json.dumps(exprs) and any(str(cfg.mark) in m for m in marks):
+            return True
+    return False
+
+
+def _rules_matching(listing: str, cfg: RoutingConfig) -> int:
+    """How many rules in ``ip -j -4 rule show pref N`` are exactly ours."""
+    count = 0
+    for rule in json.loads(listing or "[]"):
+        try:
+            ours = (int(rule.get("fwmark", "0"), 16) == cfg.mark
+                    and int(rule.get("fwmask", "0xffffffff"), 16) == cfg.mark
+                    and str(rule.get("table")) == str(cfg.table))
+        except (TypeError, ValueError):
+            ours = False
+        count += ours
+    return count
+
+
+def _route_ok(listing: str) -> bool:
+    return any(
+        r.get("type") == "local" and r.get("dst") in ("default", "0.0.0.0/0")
+        and r.get("dev") == "lo"
+        for r in json.loads(listing or "[]")
+    )
+
+
 class TransparentRouting:
-    """The return-path routing of one kpx process, installed and removed once.
+    """The return-path routing of one kpx process, shared with any other kpx in the namespace.
 
     ``install`` returns whether client-IP preservation is available; when it
-    is not, the dataplane SNATs every connection.
+    is not, the dataplane SNATs every connection. It adds only what is
+    missing (``ensure``), so a successor installing while its predecessor
+    drains never opens a window without the rule. ``remove`` leaves
+    everything in place while another kpx process is present (``proxy.ownership``):
+    whoever exits last cleans up. Every change holds the namespace's routing lock.
     """
 
-    def __init__(self, cfg: RoutingConfig | None = None) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None, base: str = BASE_NAME) -> None:
         self.cfg = cfg or RoutingConfig()
+        self.base = base
         self.active = False
+        self._rule_copies = 0
 
     def install(self) -> bool:
         try:
@@ -129,34 +210,95 @@ class TransparentRouting:
             for tool in ("nft", "ip"):
                 if shutil.which(tool) is None:
                     raise RuntimeError(f"{tool}: not found")
-            _check(["nft", "-f", "-"], nft_ruleset(self.cfg))
-            self._remove_rules()
-            _check(["ip", "-4", "rule", "add", *_rule_args(self.cfg)])
-            _check(
-                ["ip", "-4", "route", "replace", "local", "0.0.0.0/0", "dev", "lo",
-                 "table", str(self.cfg.table)]
-            )
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            added = self.ensure()
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
             log.warning(
                 "client IP preservation unavailable, every connection will be SNATed: %s", exc
             )
-            self._cleanup()
+            self._remove_if_alone()
             self.active = False
             return False
         self.active = True
         log.info(
-            "transparent return path installed: nft table inet %s, fwmark %#x/%#x -> table %d "
-            "(pref %d)", self.cfg.nft_table, self.cfg.mark, self.cfg.mark, self.cfg.table,
-            self.cfg.rule_pref,
+            "transparent return path %s: nft table inet %s, fwmark %#x/%#x -> table %d "
+            "(pref %d)", "installed" if added == list(PARTS) else
+            f"in place (added: {', '.join(added) or 'nothing'})", self.cfg.nft_table,
+            self.cfg.mark, self.cfg.mark, self.cfg.table, self.cfg.rule_pref,
         )
         return True
+
+    def missing(self) -> list[str]:
+        """The parts of the return path that are not (exactly) installed right now."""
+        out: list[str] = []
+        res = _run(["nft", "-j", "list", "table", "inet", self.cfg.nft_table])
+        if res.returncode != 0 and "No such file" not in res.stderr:
+            raise RuntimeError(f"nft list table: {res.stderr.strip() or res.returncode}")
+        if res.returncode != 0 or not _nft_table_ok(res.stdout, self.cfg):
+            out.append(PART_NFT)
+        res = _run(["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)])
+        if res.returncode != 0:
+            raise RuntimeError(f"ip rule show: {res.stderr.strip() or res.returncode}")
+        self._rule_copies = _rules_matching(res.stdout, self.cfg)
+        if self._rule_copies == 0:
+            out.append(PART_RULE)
+        res = _run(["ip", "-j", "-4", "route", "show", "table", str(self.cfg.table)])
+        # An emptied table stops existing: "FIB table does not exist" is "missing".
+        if res.returncode != 0 or not _route_ok(res.stdout):
+            out.append(PART_ROUTE)
+        return out
+
+    def ensure(self) -> list[str]:
+        """Add whatever part is missing, nothing else; return what was missing.
+
+        Never deletes a part first: the nft table is (re)written by one
+        atomic transaction, the rule is only added, the route is replaced in
+        place. Raises RuntimeError if a part is still missing afterwards.
+        Blocking (subprocesses): off the event loop once kpx serves.
+        """
+        with routing_lock(self.base):
+            missing = self.missing()
+            if PART_NFT in missing:
+                _check(["nft", "-f", "-"], nft_ruleset(self.cfg))
+            if PART_RULE in missing:
+                _check(["ip", "-4", "rule", "add", *_rule_args(self.cfg)])
+            if PART_ROUTE in missing:
+                _check(["ip", "-4", "route", "replace", "local", "0.0.0.0/0", "dev", "lo",
+                        "table", str(self.cfg.table)])
+            if self._rule_copies > 1:
+                self._drop_duplicate_rules()
+            still = self.missing() if missing else []
+        if still:
+            raise RuntimeError(f"still missing after adding it: {', '.join(still)}")
+        return missing
 
     def remove(self) -> None:
         if not self.active:
             return
         self.active = False
-        self._cleanup()
-        log.info("transparent return path removed")
+        if self._remove_if_alone():
+            log.info("transparent return path removed")
+
+    def _remove_if_alone(self) -> bool:
+        """Remove the routing unless another kpx in this namespace is present; True if removed."""
+        with routing_lock(self.base):
+            others = sorted(live_pids(self.base) - {os.getpid()})
+            if others:
+                log.info("transparent return path left in place: kpx pid %s in this namespace"
+                         " still uses it", ", ".join(map(str, others)))
+                return False
+            self._cleanup()
+        return True
+
+    def _drop_duplicate_rules(self) -> None:
+        """A crash loop of an older kpx may have left copies; delete all but one.
+
+        Each ``ip rule del`` removes one copy, so at least one stays throughout.
+        """
+        for _ in range(16):
+            res = _run(["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)])
+            if res.returncode != 0 or _rules_matching(res.stdout, self.cfg) <= 1:
+                return
+            _run(["ip", "-4", "rule", "del", *_rule_args(self.cfg)])
 
     def _remove_rules(self) -> None:
         # Exact match on pref, mark and table: never delete someone else's rule.
@@ -178,6 +320,57 @@ class TransparentRouting:
                 _run(["ip", "-4", "route", "flush", "table", str(self.cfg.table)])
         except (OSError, subprocess.SubprocessError) as exc:
             log.debug("transparent routing cleanup: %s", exc)
+
+
+class ReturnPathGuard:
+    """Every sync period, put back what is missing of the return path, as kube-proxy re-syncs.
+
+    Anything outside kpx (an operator, another agent flushing rules) may
+    delete the nft table, the rule or the route; without them every
+    client-IP-preserving connection times out while the health checks still
+    answer 200. The guard restores the missing parts, logs each repair and
+    counts it (``kubeproxy_kpx_return_path_repairs_total{part}``); while a
+    repair fails, ``ProxyHealth`` carries a fault, so ``/healthz``, ``/livez``
+    and every healthCheckNodePort answer 503 and load balancers move away.
+
+    Only the namespace's owner runs one; it is cancelled at SIGTERM. The
+    subprocesses run in the default executor, never on the event loop.
+    """
+
+    FAULT = "return-path"
+
+    def __init__(self, routing: TransparentRouting, health: ProxyHealth, period: float) -> None:
+        self.routing = routing
+        self.health = health
+        self.period = period
+
+    async def check(self) -> list[str]:
+        """One round: returns the parts that were missing and are now back."""
+        loop = asyncio.get_running_loop()
+        try:
+            restored = await loop.run_in_executor(None, self.routing.ensure)
+        except Exception as exc:  # any failure means: cannot vouch for the return path
+            metrics.RETURN_PATH_REPAIR_FAILURES.inc()
+            why = str(exc) or type(exc).__name__
+            if self.health.faults.get(self.FAULT) != why:
+                log.error("transparent return path broken and not restorable: %s; client-IP"
+                          " preserving connections fail, so health fails until it is back", why)
+            self.health.set_fault(self.FAULT, why)
+            return []
+        for part in restored:
+            metrics.RETURN_PATH_REPAIRS.labels(part=part).inc()
+        if restored:
+            log.warning("transparent return path: %s was missing (removed outside kpx);"
+                        " restored", ", ".join(restored))
+        if self.FAULT in self.health.faults:
+            log.info("transparent return path restored; healthy again")
+            self.health.clear_fault(self.FAULT)
+        return restored
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            await self.check()
 
 
 def upstream_socket(client_ip: str | None) -> socket.socket:

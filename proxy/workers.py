@@ -2,7 +2,12 @@
 
 Owns: forking the workers, passing signals on, restarting a worker that
 dies, and the namespace-wide return-path routing that all workers share
-(installed once here, so no worker's exit can remove it under the others).
+(installed once here, so no worker's exit can remove it under the others;
+worker 0 runs the sync-period guard that restores it, next to the health it
+reports to). The namespace claim (``proxy.ownership``) is taken by
+``kpx node`` before this runs: the workers inherit it, a second instance
+fails before it could join their SO_REUSEPORT group, and SIGTERM hands the
+namespace over once the workers' listeners are closed.
 
 Never: proxy a connection itself. Each worker is a complete ``kpx node``
 (its own state source, plans and balancers) on SO_REUSEPORT listeners; the
@@ -22,6 +27,7 @@ import signal
 import time
 from collections.abc import Callable
 
+from proxy.ownership import Ownership
 from proxy.transparent import TransparentRouting
 
 log = logging.getLogger(__name__)
@@ -32,6 +38,7 @@ RESTART_BACKOFF = 1.0
 
 def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace], int]) -> int:
     """Run ``args.workers`` forked workers until SIGTERM/SIGINT; exit 0 when all stopped."""
+    ownership: Ownership | None = getattr(args, "ownership", None)
     routing: TransparentRouting | None = None
     if not args.no_transparent:
         routing = TransparentRouting()
@@ -61,6 +68,11 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
         nonlocal stopping
         if signum in (signal.SIGTERM, signal.SIGINT):
             stopping = True
+            if ownership is not None:
+                # The workers hold their own copies of the owner socket until
+                # their listeners are closed; the name is free when they are.
+                ownership.stopping()
+                ownership.release()
         for pid in list(children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM if signum == signal.SIGINT else signum)
