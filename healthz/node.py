@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp.web_request import BaseRequest
 from prometheus_client.exposition import choose_encoder
@@ -153,6 +153,17 @@ class MetricsServer:
         return go_not_found()
 
 
+class _Measure(NamedTuple):
+    """What one snapshot means for ``SyncMetrics``' gauges."""
+
+    dropping: int
+    """Plans that drop external traffic (no local endpoint)."""
+    triggers: dict[tuple[str, str], float]
+    """Every slice's ``last-change-trigger-time``, by (namespace, name)."""
+    new_triggers: list[float]
+    """The trigger times to observe: after start-up, and not seen before."""
+
+
 class SyncMetrics:
     """The gauges that describe what each applied snapshot means for this node.
 
@@ -174,28 +185,47 @@ class SyncMetrics:
         self._started = clock()
         self._triggers: dict[tuple[str, str], float] = {}
         self._plans = PlanCache()
+        self._prepared: tuple[Snapshot, dict[tuple[str, str], float], _Measure] | None = None
+        """``_measure`` of one snapshot against the trigger times then known, from ``prepare``."""
 
     def prepare(self, snapshot: Snapshot) -> None:
-        """Build ``snapshot``'s plans into the cache now (a hub preparer's thread),
-        so the ``sync`` on the loop that answers /healthz reuses every one."""
-        build_plans(snapshot, self.node_name, cache=self._plans)
+        """What ``sync`` needs of ``snapshot``, found now (a hub preparer's thread).
+
+        Building the plans (70 ms cold for 10,000 NodePorts) and reading every
+        slice for its trigger time (50,000 here) would otherwise run on the
+        loop that answers /healthz; ``sync`` of this snapshot only sets gauges.
+        """
+        last = self._triggers
+        self._prepared = (snapshot, last, self._measure(snapshot, last))
+
+    def _measure(self, snapshot: Snapshot, last: dict[tuple[str, str], float]) -> _Measure:
+        """What ``snapshot`` means for the gauges, given the trigger times seen ``last``."""
+        plans = build_plans(snapshot, self.node_name, cache=self._plans)
+        dropping = sum(1 for plan in plans.values() if plan.drop_external)
+        triggers: dict[tuple[str, str], float] = {}
+        new: list[float] = []
+        for sl in snapshot.slices:
+            if sl.trigger_time is None:
+                continue
+            key = (sl.namespace, sl.name)
+            triggers[key] = sl.trigger_time
+            if sl.trigger_time > self._started and last.get(key) != sl.trigger_time:
+                new.append(sl.trigger_time)
+        return _Measure(dropping, triggers, new)
 
     def sync(self, snapshot: Snapshot) -> None:
         try:
-            plans = build_plans(snapshot, self.node_name, cache=self._plans)
-            dropping = sum(1 for plan in plans.values() if plan.drop_external)
-            NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(dropping)
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None and prepared[0] is snapshot and prepared[1] is self._triggers:
+                measure = prepared[2]
+            else:
+                measure = self._measure(snapshot, self._triggers)
+            NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(measure.dropping)
             NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(0)
 
             now = self._clock()
-            triggers: dict[tuple[str, str], float] = {}
-            for sl in snapshot.slices:
-                if sl.trigger_time is None:
-                    continue
-                key = (sl.namespace, sl.name)
-                triggers[key] = sl.trigger_time
-                if sl.trigger_time > self._started and self._triggers.get(key) != sl.trigger_time:
-                    NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - sl.trigger_time))
-            self._triggers = triggers
+            for trigger in measure.new_triggers:
+                NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - trigger))
+            self._triggers = measure.triggers
         except Exception:
             log.exception("sync metrics for generation %d failed", snapshot.generation)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp.web_request import BaseRequest
@@ -203,6 +203,8 @@ class ServiceHealthServer:
         self.retry_interval = retry_interval
         self._checks: dict[str, _HealthCheck] = {}
         self._snapshot: Snapshot | None = None
+        self._prepared: tuple[Snapshot, dict[str, Service], Mapping[str, int]] | None = None
+        """``_wanted`` of one snapshot, from ``prepare``."""
         self._retry: asyncio.TimerHandle | None = None
         self._closing: list[HttpListener] = []
         self._stopped = False
@@ -227,6 +229,22 @@ class ServiceHealthServer:
 
     # -- reconciliation ------------------------------------------------------
 
+    def prepare(self, snapshot: Snapshot) -> None:
+        """A hub preparer (a worker thread): what ``sync`` of ``snapshot`` will want.
+
+        Finding the health-checked services and their local endpoint counts
+        reads every service: 8 ms for 50,000, on the loop that answers
+        /healthz, unless done here first.
+        """
+        self._prepared = (snapshot, *self._wanted(snapshot))
+
+    def _wanted(self, snapshot: Snapshot) -> tuple[dict[str, Service], Mapping[str, int]]:
+        """The services that need a health check, and their local ready endpoint counts."""
+        wanted: dict[str, Service] = {
+            s.key: s for s in snapshot.services if s.needs_health_check
+        }
+        return wanted, local_ready_counts(snapshot, self.node_name)
+
     def sync(self, snapshot: Snapshot) -> None:
         """Make the listeners and counts match ``snapshot``. Never raises."""
         if self._stopped:
@@ -238,10 +256,11 @@ class ServiceHealthServer:
             log.exception("healthcheck sync of generation %d failed", snapshot.generation)
 
     def _reconcile(self, snapshot: Snapshot) -> None:
-        wanted: dict[str, Service] = {
-            s.key: s for s in snapshot.services if s.needs_health_check
-        }
-        counts = local_ready_counts(snapshot, self.node_name)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] is snapshot:
+            _, wanted, counts = prepared
+        else:
+            wanted, counts = self._wanted(snapshot)
         try:
             hosts = resolve_hosts(self.addresses, snapshot, self.node_name)
         except ValueError as exc:

@@ -46,9 +46,11 @@ import asyncio
 import ipaddress
 import logging
 import resource
+import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import NamedTuple
 
 from proxy import metrics, synfilter
 from proxy.balancer import Balancer
@@ -76,6 +78,19 @@ Small, because a slice delays every step of what waits behind it: an HTTP
 probe of /healthz takes five loop iterations, each one slice late."""
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ListenerKey = tuple[str, int]
+
+
+class _PortTable(NamedTuple):
+    """A forwarder table for one set of plans (``Dataplane._port_table``)."""
+
+    before: dict[int, PortState]
+    """The table in force it was made from."""
+    ports: dict[int, PortState]
+    balancers: dict[str, Balancer]
+    """Balancers of service ports that had none, to keep from now on."""
+    metrics: dict[str, PortMetrics]
+    live: set[str]
+    """The service ports of the plans: every other balancer is dropped."""
 
 
 def _is_ipv4(address: str) -> bool:
@@ -205,9 +220,9 @@ class Dataplane:
         self._plan_lock = threading.Lock()
         """``prepare`` (a worker thread) and ``apply`` (the loop) share the cache."""
         self._prepared: (
-            tuple[Snapshot, dict[int, PortPlan], dict[ListenerKey, bool]] | None
+            tuple[Snapshot, dict[int, PortPlan], dict[ListenerKey, bool], _PortTable] | None
         ) = None
-        """What ``prepare`` built for one snapshot: its plans and wanted listeners."""
+        """What ``prepare`` built for one snapshot: its plans, wanted listeners and port table."""
         self._reconciling: Iterator[None] | None = None
         self._reconcile_handle: asyncio.Handle | None = None
         self._reconcile_started = 0.0
@@ -264,7 +279,7 @@ class Dataplane:
                 snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
             )
         desired = self._desired_for(plans, _ipv4_of(snapshot, self.node_name))
-        self._prepared = (snapshot, plans, desired)
+        self._prepared = (snapshot, plans, desired, self._port_table(plans))
 
     def _desired_for(self, plans: dict[int, PortPlan], node_ips: tuple[str, ...]
                      ) -> dict[ListenerKey, bool]:
@@ -311,14 +326,15 @@ class Dataplane:
 
         prepared, self._prepared = self._prepared, None
         desired: dict[ListenerKey, bool] | None = None
+        table: _PortTable | None = None
         if prepared is not None and prepared[0] is snapshot:
-            _, plans, desired = prepared
+            _, plans, desired, table = prepared
         else:
             with self._plan_lock:
                 plans = build_plans(
                     snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
                 )
-        self._swap_plans(plans)
+        self._swap_plans(plans, table)
 
         if node_ips != self._node_ips:
             self._node_ips = node_ips
@@ -383,10 +399,18 @@ class Dataplane:
 
     # -- reconciliation ----------------------------------------------------------
 
-    def _swap_plans(self, plans: dict[int, PortPlan]) -> None:
-        # A plan that ``PlanCache`` handed back unchanged keeps its PortState:
-        # one endpoint change among 10,000 services rebuilds one, not 10,000.
+    def _port_table(self, plans: dict[int, PortPlan]) -> _PortTable:
+        """The forwarder's table for ``plans``, made from the current one without changing it.
+
+        Pure, so ``prepare`` builds it in the source's thread: 10,000 new
+        PortStates took 10 ms on the loop. A plan that ``PlanCache`` handed
+        back unchanged keeps its PortState: one endpoint change among 10,000
+        services rebuilds one, not 10,000.
+        """
         before = self.forwarder.ports
+        balancers, metrics_of = self._balancers, self._metrics
+        new_balancers: dict[str, Balancer] = {}
+        new_metrics: dict[str, PortMetrics] = {}
         ports: dict[int, PortState] = {}
         for port, plan in plans.items():
             state = before.get(port)
@@ -394,18 +418,36 @@ class Dataplane:
                 ports[port] = state
                 continue
             key = plan.key
-            balancer = self._balancers.get(key)
+            balancer = balancers.get(key)
             if balancer is None:
-                balancer = self._balancers[key] = Balancer()
-            m = self._metrics.get(key)
+                balancer = new_balancers.get(key)
+                if balancer is None:
+                    balancer = new_balancers[key] = Balancer()
+            m = metrics_of.get(key)
             if m is None:
-                m = self._metrics[key] = PortMetrics(key)
+                m = new_metrics.get(key)
+                if m is None:
+                    m = new_metrics[key] = PortMetrics(key)
             ports[port] = PortState(plan, balancer, m)
+        live = {p.key for p in plans.values()}
+        return _PortTable(before, ports, new_balancers, new_metrics, live)
+
+    def _swap_plans(self, plans: dict[int, PortPlan], table: _PortTable | None = None) -> None:
+        """Put ``plans`` in force; ``table`` is their ``_port_table`` if ``prepare`` made it.
+
+        Only ``_swap_plans`` changes the table, balancers and metrics, so a
+        table made from the very table in force is still right; else it is
+        made again here.
+        """
+        if table is None or table.before is not self.forwarder.ports:
+            table = self._port_table(plans)
+        self._balancers.update(table.balancers)
+        self._metrics.update(table.metrics)
         # One assignment: a connection accepted from here on sees the new
         # table, one accepted before keeps the PortState it started with.
-        self.forwarder.ports = ports
+        self.forwarder.ports = table.ports
         self._plans = plans
-        live = {p.key for p in plans.values()}
+        live = table.live
         for key in [k for k in self._balancers if k not in live]:
             del self._balancers[key]
 

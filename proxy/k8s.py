@@ -137,10 +137,20 @@ from __future__ import annotations
 import json
 import re
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import accumulate, chain, compress, pairwise, repeat, takewhile
+from itertools import (
+    accumulate,
+    chain,
+    compress,
+    islice,
+    pairwise,
+    repeat,
+    starmap,
+    takewhile,
+)
 from operator import add, attrgetter, itemgetter, methodcaller, not_
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
@@ -1414,8 +1424,14 @@ class _Tally:
         self.repeated = 0
 
     def add(self, values: Iterable[object]) -> None:
+        # ``_BATCH`` at a time: 100,000 names in one ``dict.fromkeys`` hold the
+        # GIL ~20 ms (see ``_SCAN_PIECE``).
+        values = iter(values)
+        while batch := list(islice(values, _BATCH)):
+            self._add(batch)
+
+    def _add(self, values: list[object]) -> None:
         counts = self.counts
-        values = list(values)
         fresh = dict.fromkeys(values, 1)
         if len(fresh) == len(values) and counts.keys().isdisjoint(fresh):
             # All new and none twice, as in any state without duplicates: in C.
@@ -1459,14 +1475,19 @@ class _Column:
 
     def replace(self, first: int, stop: int, chunks: list[tuple[_Verdict, ...]]) -> None:
         """Chunks ``first:stop`` become ``chunks``."""
-        verdicts = list(chain.from_iterable(chunks))
-        if len(verdicts) == len(chunks):
-            # A chunk holds one document or none; here each holds one.
-            groups: list[tuple[Any, ...]] = list(map(self.take, verdicts))
-        else:
-            groups = [tuple(chain.from_iterable(map(self.take, vs))) for vs in chunks]
+        groups: list[tuple[Any, ...]] = []
+        new: list[Any] = []
+        for i in range(0, len(chunks), _BATCH):  # ``_BATCH`` chunks per C call
+            batch = chunks[i : i + _BATCH]
+            verdicts = list(chain.from_iterable(batch))
+            if len(verdicts) == len(batch):
+                # A chunk holds one document or none; here each holds one.
+                part: list[tuple[Any, ...]] = list(map(self.take, verdicts))
+            else:
+                part = [tuple(chain.from_iterable(map(self.take, vs))) for vs in batch]
+            groups += part
+            new += chain.from_iterable(part)
         low, high = self.starts[first], self.starts[stop]
-        new = list(chain.from_iterable(groups))
         self.items[low:high] = new
         delta = len(new) - (high - low)
         tail = self.starts[stop + 1 :]
@@ -2244,6 +2265,47 @@ _NON_PRINTABLE = re.compile("[^\t\n\r -~\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\
 """What YAML's reader refuses, anywhere in a stream."""
 
 
+# Scans of a whole state in pieces. A parse runs in a worker thread beside the
+# event loop that forwards traffic, and one C call holds the GIL until it
+# returns: a ``str.find`` or a regex scan over a 41 MB state is one 20-40 ms
+# call, and the loop waits it out at every socket call of a new connection.
+# Piece by piece, the same answers cost the same time in ~1 ms calls.
+
+_SCAN_PIECE = 1 << 20
+"""Characters per C call when a whole state is scanned."""
+_BATCH = 8192
+"""Items per C call when a whole state's objects are listed, counted or freed."""
+
+
+def _find(text: str, sub: str, start: int, end: int) -> int:
+    """``text.find(sub, start, end)``, for a non-empty ``sub``, ``_SCAN_PIECE`` at a time."""
+    reach = len(sub) - 1  # Pieces overlap so an occurrence across a seam is found.
+    for a in range(start, end, _SCAN_PIECE):
+        i = text.find(sub, a, min(a + _SCAN_PIECE + reach, end))
+        if i >= 0:
+            return i
+    return -1
+
+
+def _marker_ends(text: str, start: int, end: int) -> list[int]:
+    """``[m.end() for m in _MARKER.finditer(text, start, end)]``, ``_SCAN_PIECE`` at a time.
+
+    A match is one line break and looks at most 4 characters past it, so a
+    scan of one piece that runs 4 characters into the next finds each match
+    that starts in the piece exactly as the whole scan does (``\\Z`` can only
+    hold at ``end`` itself); a match it finds in those 4 characters belongs to
+    the next piece (at most one fits there).
+    """
+    ends: list[int] = []
+    for a in range(start, end, _SCAN_PIECE):
+        b = a + _SCAN_PIECE
+        found = list(map(_END, _MARKER.finditer(text, a, min(b + 4, end))))
+        if found and found[-1] > b:
+            found.pop()
+        ends += found
+    return ends
+
+
 def _starts_with_marker(chunk: str) -> bool:
     return chunk.startswith("---") and chunk[3:4] in ("", " ", "\t", "\r", "\n")
 
@@ -2259,7 +2321,7 @@ def _split(text: str, start: int, end: int) -> list[tuple[int, str]]:
     ``start`` and ``end`` must themselves be chunk boundaries.
     """
     # A match is the line break itself, so its end is where the marker line starts.
-    cuts = [start, *map(_END, _MARKER.finditer(text, start, end)), end]
+    cuts = [start, *_marker_ends(text, start, end), end]
     return [(a, text[a:b]) for a, b in pairwise(cuts) if a < b]
 
 
@@ -2290,11 +2352,33 @@ def _usual(text: str, start: int, end: int) -> bool:
     """
     return (
         text.isascii()
-        and text.find("\n...", start, end) < 0
-        and text.find("\n%", start, end) < 0
-        and text.find("\r", start, end) < 0
+        and _find(text, "\n...", start, end) < 0
+        and _find(text, "\n%", start, end) < 0
+        and _find(text, "\r", start, end) < 0
         and not (start == 0 and text.startswith(("...", "%")))
     )
+
+
+_FREE_AT_ONCE = 1 << 16
+"""Entries a dict or list may hold and still be freed in one C call; see ``_let_go``."""
+
+
+def _let_go(items: dict[Any, Any] | list[Any]) -> None:
+    """Empty ``items`` ``_BATCH`` entries per C call, if it holds over ``_FREE_AT_ONCE``.
+
+    The memos (``_Memo``) and chunk list of a 50,000-service parse hold
+    500,000 entries; freed at once, when ``_update`` returned, they held the
+    GIL 25 ms. Popped in batches they cost a third more, so the smaller ones
+    of a 10,000-service state are left to be freed whole.
+    """
+    if len(items) <= _FREE_AT_ONCE:
+        return
+    if isinstance(items, list):
+        while items:
+            del items[-_BATCH:]
+        return
+    while items:
+        deque(starmap(items.popitem, repeat((), min(_BATCH, len(items)))), maxlen=0)
 
 
 class _Whole(Exception):
@@ -2450,6 +2534,8 @@ class StateParser:
         starts[first:] = array("q", [start for start, _ in middle]) + tail
         stats.reused += first + suffix
         stats.chunks = len(texts)
+        for items in (*memo, middle):
+            _let_go(items)
 
     @staticmethod
     def _decode(
@@ -2519,6 +2605,9 @@ def decode_state(data: bytes) -> str:
     whole, as any other bad file is; every reader of state bytes (``kpx
     node``'s source, ``kpx check``) decodes through here, so they agree.
     """
+    # One C call (18 ms for 41 MB, holding the GIL): decoding in pieces was
+    # tried, but joining them costs as much, nearly all of it page faults
+    # on the new string's memory.
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
