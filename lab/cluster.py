@@ -299,6 +299,7 @@ class Lab:
             self._timers.clear()
             self._stop_lb()
             tracked = self._tracked_procs()
+            self._interrupt_proxies()
             _teardown(self.prefix, self._namespaces, tracked, self.stop_grace)
             for p in self._popen.values():
                 with contextlib.suppress(Exception):
@@ -670,11 +671,11 @@ class Lab:
     def restart_proxy(self, node: str) -> tuple[int, int]:
         """Restart *node*'s ``kpx node`` as an operator does; returns (old pid, new pid).
 
-        SIGTERM to the old process and the new one started at once, while
-        the old one drains: the new one waits for the old one's handover of
-        the namespace (``proxy.ownership``). Nothing here waits for the new
-        one to be ready; the old one stays recorded (``down`` still kills it
-        if it is still draining) until it exits.
+        SIGTERM to the old process and the new one started at once: the old
+        one keeps accepting while the new one takes its listening sockets and
+        then the namespace over (``proxy.ownership``), then drains. Nothing
+        here waits for the new one to be ready; the old one stays recorded
+        (``down`` still kills it if it is still draining) until it exits.
         """
         with self._mutating():
             old = self._proxies[node]
@@ -685,6 +686,19 @@ class Lab:
             self._extra.append(replace(old, role=f"{old.role} (draining)"))
             self._save()
             return old.pid, self._proxies[node].pid
+
+    def _interrupt_proxies(self) -> None:
+        """SIGINT every ``kpx node``: stop now, without waiting for a successor.
+
+        SIGTERM would keep each accepting for its ``--handover-wait`` first,
+        in case a new one takes over; nothing will in a teardown.
+        """
+        procs = [*self._proxies.values(),
+                 *(p for p in self._extra if p.role.startswith("proxy/"))]
+        for p in procs:
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGINT)
 
     def delete_pod(self, name: str, grace: float = 30.0) -> None:
         """Delete a pod gracefully: terminating for *grace* seconds, then gone.

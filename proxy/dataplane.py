@@ -172,6 +172,7 @@ class Dataplane:
         install_routing: bool = True,
         tcp_timeout_established: float = TCP_TIMEOUT_ESTABLISHED,
         tcp_timeout_close_wait: float = TCP_TIMEOUT_CLOSE_WAIT,
+        inherited: Mapping[ListenerKey, socket.socket] | None = None,
     ) -> None:
         self.node_name = node_name
         self.loop = loop
@@ -230,6 +231,13 @@ class Dataplane:
         self._program: list[synfilter.Instruction] | None = synfilter.syn_drop_program(())
         self._desired: dict[ListenerKey, bool] = {}
         self._listeners: dict[ListenerKey, Listener] = {}
+        self._inherited: dict[ListenerKey, socket.socket] = dict(inherited or {})
+        """Listening sockets passed on by the kpx node this one took over from
+        (``proxy.handover``), unwatched until a sync wants them: adopted in
+        place of a new bind, so their accept queues carry on. The first
+        complete reconcile closes those no plan wants."""
+        self.synced = asyncio.Event()
+        """Set once a reconcile has gone through every wanted listener."""
         self._failed: dict[ListenerKey, str] = {}
         self._blocked: set[Listener] = set()
         self._retry_handle: asyncio.TimerHandle | None = None
@@ -265,6 +273,14 @@ class Dataplane:
         out = [(a, p, lis.state) for (a, p), lis in self._listeners.items()]
         out += [(a, p, f"error: {why}") for (a, p), why in self._failed.items()]
         return sorted(out)
+
+    def listening_sockets(self) -> list[tuple[ListenerKey, socket.socket]]:
+        """Every open listener's socket by (address, port): what a handover passes on.
+
+        The listeners keep accepting on them; ``stop_accepting`` closes only
+        this process's copies.
+        """
+        return [(key, lis.sock) for key, lis in self._listeners.items() if lis.sock is not None]
 
     def prepare(self, snapshot: Snapshot) -> None:
         """A ``StateHub`` preparer: build ``snapshot``'s plans now, in the caller's thread.
@@ -354,7 +370,11 @@ class Dataplane:
         # healthz sidecar's SyncMetrics, which serves it.
 
     async def stop_accepting(self) -> None:
-        """Close every listener (SIGTERM step 1); relays keep running."""
+        """Close every listener (SIGTERM step 1); relays keep running.
+
+        After a handover the successor holds the same sockets, so closing
+        this process's copies ends its accepting, not the listening.
+        """
         self._close_listeners()
         self.forwarder.flush_metrics()
 
@@ -366,6 +386,7 @@ class Dataplane:
         for lis in self._listeners.values():
             lis.close()
         self._listeners.clear()
+        self._close_inherited(all_of_them=True)
         self._failed.clear()
         self._blocked.clear()
         self._update_gauge()
@@ -515,6 +536,7 @@ class Dataplane:
                 retry = True
                 program = None
             lis = self._listeners.get(key)
+            adopt = self._inherited.pop(key, None) if lis is None else None
             try:
                 if lis is None:
                     lis = Listener(
@@ -523,10 +545,22 @@ class Dataplane:
                         backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
                         steer_workers=steer, accept_set=self.accept_set,
                     )
-                    lis.open(program)
+                    try:
+                        lis.open(program, adopt=adopt)
+                    except OSError as exc:
+                        if adopt is None:
+                            raise
+                        # Not the socket it claims to be, or it cannot take our
+                        # filter: a socket of our own is the safer one to serve.
+                        adopt.close()
+                        log.warning("%s:%d (%s): cannot take the inherited socket over: %s; "
+                                    "binding anew", addr, port, plan.key, exc.strerror or exc)
+                        adopt = None
+                        lis.open(program)
                     self._listeners[key] = lis
-                    log.log(level, "listening on %s:%d for %s%s", addr, port, plan.key,
-                             " (dropping external SYNs)" if program else "")
+                    log.log(level, "listening on %s:%d for %s%s%s", addr, port, plan.key,
+                            " (dropping external SYNs)" if program else "",
+                            " (socket taken over)" if adopt is not None else "")
                 else:
                     lis.label = plan.key
                     was = lis.dropping
@@ -542,6 +576,8 @@ class Dataplane:
                 continue
             if not (drop and self._program is None):
                 self._failed.pop(key, None)
+        self._close_inherited()
+        self.synced.set()
         if retry:
             self._schedule_retry()
         self._update_gauge()
@@ -549,6 +585,13 @@ class Dataplane:
             log.info("listeners reconciled in %.0f ms (%d listening)",
                      (time.perf_counter() - self._reconcile_started) * 1000,
                      len(self._listeners))
+
+    def _close_inherited(self, all_of_them: bool = False) -> None:
+        """Close the inherited sockets no plan wants (or, stopping, all of them)."""
+        for key in [k for k in self._inherited if all_of_them or k not in self._desired]:
+            self._inherited.pop(key).close()
+            if not all_of_them:
+                log.info("closed listener %s:%d taken over but not wanted", *key)
 
     def _note_failure(
         self, key: ListenerKey, plan: PortPlan, why: str, exc: OSError | None = None

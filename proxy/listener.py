@@ -1,11 +1,13 @@
 """One NodePort listening socket and its accept loop.
 
-Owns: the socket bound to one ``(address, nodePort)``: open, SYN filter on
-or off, accept with back-off, pause and resume, close. Every accepted socket
+Owns: the socket bound to one ``(address, nodePort)``: open (or adopt one
+passed on by the kpx node this one takes over from), SYN filter on or off,
+accept with back-off, pause and resume, close. Every accepted socket
 goes, still raw, to the ``on_accept`` callback.
 
 Never: decide anything about a connection, read from it, or keep it.
-Closing a Listener leaves no LISTEN socket behind: it owns the only fd.
+Closing a Listener leaves no LISTEN socket behind: it owns the only fd
+(unless its socket was passed on to a successor, which then owns one too).
 
 Why not ``loop.create_server(sock=...)``: read in uvloop 0.23's source and
 checked by experiment:
@@ -180,12 +182,22 @@ class Listener:
     def sock(self) -> socket.socket | None:
         return self._sock
 
-    def open(self, program: list[synfilter.Instruction] | None = None) -> None:
+    def open(self, program: list[synfilter.Instruction] | None = None,
+             adopt: socket.socket | None = None) -> None:
         """Bind, optionally filter, listen and start accepting. Raises OSError.
 
         The filter goes on before ``listen()`` so no external SYN can slip
         through in between.
+
+        ``adopt``: a socket already listening on this address and port,
+        passed on by the kpx node this one takes over from (``proxy.handover``):
+        its accept queue carries on. Its filter is set to ``program`` or
+        removed, whatever the old process had on it; on any OSError the
+        caller still owns ``adopt``.
         """
+        if adopt is not None:
+            self._adopt(adopt, program)
+            return
         # SOCK_NONBLOCK: non-blocking from birth, one syscall fewer per listener.
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
@@ -203,6 +215,26 @@ class Listener:
         except BaseException:
             s.close()
             raise
+        self._sock = s
+        self._fd = s.fileno()
+        self._filter = program
+        self._start_reading()
+        if self._want_steer:
+            self.set_steering(self._want_steer)
+
+    def _adopt(self, s: socket.socket, program: list[synfilter.Instruction] | None) -> None:
+        """Take over ``s``, an inherited listening socket for this address and port."""
+        if (s.family != socket.AF_INET or s.type != socket.SOCK_STREAM
+                or not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                or s.getsockname() != (self.address, self.port)):
+            raise OSError(errno.EINVAL, f"inherited socket is not listening on "
+                                        f"{self.address}:{self.port}")
+        s.setblocking(False)
+        if program is None:
+            synfilter.detach(s)  # the old process's filter, if it had one
+        else:
+            synfilter.attach(s, program)
+        s.listen(self._backlog)  # this process's backlog; the queue itself stays
         self._sock = s
         self._fd = s.fileno()
         self._filter = program

@@ -7,13 +7,27 @@ the dataplane does not forward to.
 
 Never: make a forwarding decision or touch a socket itself.
 
-Signals: SIGTERM/SIGINT stop accepting, let established connections drain up
-to ``--shutdown-grace``, then exit 0. SIGHUP re-reads the state file.
+Signals: SIGTERM stops accepting, lets established connections drain up to
+``--shutdown-grace``, then exits 0. SIGINT (Ctrl-C) does the same without
+waiting for a successor. SIGHUP re-reads the state file.
 
 One instance per network namespace (``proxy.ownership``): a second one exits
-at once. SIGTERM hands the namespace over as soon as the listeners and health
-ports are closed, so a new ``kpx node`` started then serves while the old one
-drains; the return path stays until the last of them exits.
+at once. A restart is SIGTERM to the old one and a new ``kpx node`` started
+at once, and it refuses no connection: on SIGTERM the old one keeps
+accepting for up to ``--handover-wait`` (default 2s, at most
+``--shutdown-grace``) while it waits for a successor to ask for its NodePort
+listeners. One that asks receives the listening sockets themselves
+(``proxy.handover``), applies its first state, accepts on them and says
+so; only then does the old one stop accepting, close its health ports and
+pass the owner name; it drains meanwhile (it waits at most
+``--shutdown-grace`` for that "serving", then hands over anyway: the
+successor holds the queues). Without a successor the old one stops accepting
+when the wait is over, and new connections are refused from then on. The
+health ports (``/healthz``, healthCheckNodePorts, metrics) are closed and
+bound again, a blip health checkers tolerate. ``--workers N`` keeps the
+older way: the supervisor's workers close their listeners at SIGTERM and
+the new instance binds its own, a short refusal window. The return path stays
+until the last kpx of the namespace exits.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ from proxy import metrics
 from proxy.check import add_max_bytes_flag
 from proxy.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.model import Snapshot
-from proxy.ownership import Ownership, OwnershipError
+from proxy.ownership import Ownership, OwnershipError, Successor
 from proxy.source import DEFAULT_MAX_BYTES, StateFileSource
 from proxy.state import ProxyHealth, StateHub
 from proxy.transparent import ReturnPathGuard, TransparentRouting
@@ -43,6 +57,10 @@ log = logging.getLogger(__name__)
 
 SLOW_APPLY = 0.1
 """Seconds above which an apply is logged at info (every one is at debug)."""
+HANDOVER_WAIT = 2.0
+"""``--handover-wait``: long enough for a successor started with the SIGTERM to
+reach its handover request (a Python start, about half a second); short, because
+a stop with no successor keeps accepting that long before it drains."""
 
 
 def parse_duration(text: str) -> float:
@@ -120,6 +138,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shutdown-grace", type=parse_duration, default=10.0, metavar="DURATION",
         help="how long SIGTERM lets established connections drain (default 10s)",
+    )
+    parser.add_argument(
+        "--handover-wait", type=parse_duration, default=HANDOVER_WAIT, metavar="DURATION",
+        help="how long SIGTERM keeps the NodePorts accepting while waiting for a new kpx node"
+        " to take them over; at most --shutdown-grace, 0: stop at once (default 2s)",
     )
     parser.add_argument(
         "--workers", type=int, default=1, metavar="N",
@@ -211,6 +234,10 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     workers = max(1, args.workers)
     worker_index = getattr(args, "worker_index", 0)
+    ownership: Ownership | None = getattr(args, "ownership", None)
+    # A successor holds the listening sockets of the kpx node it takes over
+    # from; its first sync adopts them instead of binding new ones.
+    claim = ownership.claim if ownership is not None else None
     dataplane = Dataplane(
         args.hostname_override,
         loop=loop,
@@ -224,6 +251,7 @@ async def serve(args: argparse.Namespace) -> int:
         install_routing=workers == 1,
         tcp_timeout_established=args.conntrack_tcp_timeout_established,
         tcp_timeout_close_wait=args.conntrack_tcp_timeout_close_wait,
+        inherited=claim.take_listeners() if claim is not None else None,
     )
     hub.subscribe(timed_reader(dataplane.apply))
     hub.add_preparer(dataplane.prepare)  # plans built in the source's worker thread
@@ -232,9 +260,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     # The namespace's owner (worker 0 for --workers) keeps the return path
     # whole, as kube-proxy re-syncs its rules every sync period.
-    ownership: Ownership | None = getattr(args, "ownership", None)
     if ownership is not None:
-        ownership.attach(loop)
+        ownership.attach(loop)  # a successor attaches once it owns the name
     guard: asyncio.Task[None] | None = None
     if dataplane.transparent_active and worker_index == 0:
         guard = asyncio.create_task(
@@ -247,11 +274,36 @@ async def serve(args: argparse.Namespace) -> int:
         from healthz.sidecar import Sidecar
 
         sidecar = Sidecar.from_flags(hub, args)
-        await sidecar.start()
+    sidecar_started = False
+
+    async def start_sidecar() -> None:
+        nonlocal sidecar_started
+        if sidecar is not None:
+            sidecar_started = True
+            await sidecar.start()
+
+    async def take_over() -> None:
+        """A successor: say "serving" once synced, then own the name and the health ports."""
+        assert ownership is not None
+        await ownership.take_over(dataplane.synced.wait())
+        ownership.attach(loop)
+        await start_sidecar()  # the old one has closed its health ports by now
+
+    takeover: asyncio.Task[None] | None = None
+    if claim is not None:
+        takeover = asyncio.create_task(take_over(), name="take-over")
+    else:
+        await start_sidecar()
 
     stop = asyncio.Event()
+    interrupted = asyncio.Event()
+
+    def interrupt() -> None:
+        interrupted.set()
+        stop.set()
+
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
     loop.add_signal_handler(signal.SIGHUP, source.reload)
 
     log.info("kpx node %s running (state from %s)", args.hostname_override,
@@ -261,22 +313,52 @@ async def serve(args: argparse.Namespace) -> int:
     if watcher.done() and watcher.exception() is not None:
         log.error("state source died", exc_info=watcher.exception())
 
-    log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
-    if ownership is not None:
-        ownership.stopping()  # a successor started now waits for the handover
+    if takeover is not None and not takeover.done():
+        takeover.cancel()
+        await asyncio.gather(takeover, return_exceptions=True)
     if guard is not None:
         guard.cancel()  # only the owner repairs; a successor takes that over
     source.stop()
-    await dataplane.stop_accepting()
-    if sidecar is not None:
-        await sidecar.stop()
+
+    successor = None
+    offer = None
+    window = min(args.handover_wait, args.shutdown_grace)
     if ownership is not None:
+        if workers == 1 and window > 0 and not interrupted.is_set():
+            offer = ownership.offer(loop)
+        if offer is None:
+            ownership.stopping()  # a successor started now waits for the owner name
+    if offer is not None:
+        log.info("stopping: accepting for up to %.1fs more while a new kpx node may take "
+                 "the listeners over", window)
+        waiting = asyncio.create_task(
+            offer.wait(dataplane.listening_sockets, window, args.shutdown_grace))
+        cut = asyncio.create_task(interrupted.wait())
+        await asyncio.wait({waiting, cut}, return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        if not waiting.done():  # SIGINT: stop now
+            waiting.cancel()
+        successor = (await asyncio.gather(waiting, return_exceptions=True))[0]
+        if not isinstance(successor, Successor):
+            successor = None
+    log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
+    await dataplane.stop_accepting()
+    if sidecar_started and sidecar is not None:
+        await sidecar.stop()
+    if successor is not None:
+        # Its accept loop runs on the very sockets this one just stopped
+        # watching; it gets the owner name (and binds the health ports).
+        await successor.finish()
+        log.info("handed this network namespace to kpx node pid %d; draining", successor.pid)
+    elif ownership is not None:
         # Listeners and health ports are closed: a new kpx node binds them now,
         # while this one drains on the return path they share.
         ownership.release()
         log.info("released this network namespace: a new kpx node may take over")
     await dataplane.drain(args.shutdown_grace)
     dataplane.close()  # removes the return path only if no other kpx is present
+    if offer is not None:
+        offer.close()
     watcher.cancel()
     stopper.cancel()
     log.info("kpx node %s stopped", args.hostname_override)
@@ -314,7 +396,9 @@ def run(args: argparse.Namespace) -> int:
     The claim comes before any port or routing is touched: a second
     ``kpx node`` here exits at once (status 1) naming the one that serves,
     instead of retrying its ports forever and deleting the routing the other
-    one needs when it exits (``proxy.ownership``).
+    one needs when it exits (``proxy.ownership``). When the one that serves
+    is stopping (SIGTERM), this one takes over from it instead: it receives
+    its listening sockets here and ``serve`` adopts them.
     """
     raise_nofile_limit()
     try:  # fail on bad flags before anything touches the namespace
@@ -323,7 +407,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     try:
-        ownership = Ownership.acquire()
+        # One process takes the old one's listening sockets over; --workers
+        # cannot share them, so they wait for the owner name (and bind anew).
+        ownership = Ownership.acquire(listeners=args.workers <= 1)
     except OwnershipError as e:
         log.error("%s", e)
         return 1

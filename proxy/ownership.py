@@ -5,7 +5,8 @@ the network namespace and frees when the last fd closes (exit, crash,
 SIGKILL alike), so no lock file can go stale and no two namespaces collide:
 
 - ``@kpx-node`` (the *owner* name): held by the instance that serves the
-  namespace, from start until it is told to stop (SIGTERM). A second
+  namespace, from start until it stops accepting after SIGTERM (then the
+  socket itself is passed to the successor, or closed). A second
   instance cannot bind it and fails fast, naming the owner's pid (read with
   ``SO_PEERCRED``: the owner socket listens, so a connect needs no answer;
   the owner's event loop accepts and closes them, ``attach``);
@@ -13,13 +14,26 @@ SIGKILL alike), so no lock file can go stale and no two namespaces collide:
   whole life, drain included. Whoever exits last sees no other presence and
   may remove the shared return-path routing; anyone else leaves it alone;
 - ``@kpx-node.handover.<pid>``: bound by an owner the moment it starts to
-  stop, so a successor started "at once" waits (bounded) for the owner name
-  instead of failing as a mistaken second instance would;
+  stop, so a successor started "at once" takes over instead of failing as a
+  mistaken second instance would. A single-process owner listens on it
+  (``offer``): one successor connects, receives every NodePort listening
+  socket (``proxy.handover``: fd passing), accepts on them once it has
+  applied its first state, says so, and then receives the owner socket
+  itself, so the owner name is never free in between and the listeners never
+  stop listening. Meanwhile the old owner keeps accepting; it answers any
+  other asker ``BUSY`` (that one fails fast). The ``--workers`` supervisor
+  only binds the name (``stopping``): a successor then waits, bounded, for
+  the owner name as before;
 - ``@kpx-node.routing``: a short mutex around every change to the routing,
   so "no other presence, remove" and "present, install" never interleave.
 
-Never: touch routing or ports itself, or look at any other namespace
-(``/proc/net/unix`` lists the abstract names of the reader's namespace).
+Never: touch routing, bind or watch a port itself (it passes on the sockets
+the dataplane hands it, and closes received ones only when no dataplane got
+them), or look at any other namespace (``/proc/net/unix`` lists the
+abstract names of the reader's namespace).
+
+Only a process whose owner is stopping offers anything: a mistaken second
+instance finds no handover socket to ask, and fails fast.
 
 The ``--workers N`` supervisor holds ownership for its workers: they inherit
 its owner and presence sockets. Each worker releases its owner copy once its
@@ -38,8 +52,26 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+
+from proxy.handover import (
+    BUSY,
+    END,
+    FREE,
+    LISTENERS,
+    MAX_FDS,
+    OWNER,
+    READY,
+    WANT,
+    FrameReader,
+    HandoverError,
+    HandoverTimeout,
+    encode,
+    peer_pid_uid,
+    send_frame,
+    send_frame_async,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +80,11 @@ HANDOVER_WAIT = 10.0
 """How long a new instance waits for an owner that is already stopping."""
 LOCK_WAIT = 10.0
 """How long a routing change waits for another process's change to finish."""
+ASK_TIMEOUT = 2.0
+"""How long either side of a handover waits for the other's next frame while transferring."""
+OWNER_BACKLOG = 64
+
+ListenerKey = tuple[str, int]
 
 _POLL = 0.02
 _PROC_NET_UNIX = Path("/proc/net/unix")
@@ -148,25 +185,38 @@ def routing_lock(base: str = BASE_NAME, timeout: float = LOCK_WAIT) -> Iterator[
 class Ownership:
     """This process's claim on its network namespace. ``acquire`` it before anything else."""
 
-    def __init__(self, base: str, owner: socket.socket, presence: socket.socket) -> None:
+    def __init__(self, base: str, owner: socket.socket | None, presence: socket.socket,
+                 claim: Claim | None = None) -> None:
         self.base = base
         self._owner: socket.socket | None = owner
         self._presence: socket.socket | None = presence
         self._handover: socket.socket | None = None
         self.pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.claim = claim
+        """A successor's pending handover: the listeners it received, the owner name to come."""
 
     @classmethod
-    def acquire(cls, base: str = BASE_NAME, handover_wait: float = HANDOVER_WAIT) -> Ownership:
-        """Take the owner name, then announce this process's presence.
+    def acquire(cls, base: str = BASE_NAME, handover_wait: float = HANDOVER_WAIT,
+                listeners: bool = True) -> Ownership:
+        """Take the owner name (or a stopping owner's handover), then announce presence.
 
         Owner first: a mistaken second instance must not even look present,
         or a real owner exiting at that moment would keep routing nobody
-        needs. Raises ``OwnershipError`` when another instance serves here;
-        when that one is already stopping, waits up to ``handover_wait`` for it.
+        needs. Raises ``OwnershipError`` when another instance serves here.
+        When that one is stopping and offers a handover, this one takes it:
+        with ``listeners``, it returns holding the old one's listening
+        sockets (``claim``), and ``take_over`` completes the move of the
+        owner name once this process serves; without, it waits until the old
+        one has closed them and passed the owner name. When the owner offers
+        nothing (the ``--workers`` supervisor, or an owner between its
+        window's end and its exit), it waits up to ``handover_wait`` for the
+        owner name.
         """
         deadline = time.monotonic() + handover_wait
-        holder: int | None = None
+        asked = False
+        owner: socket.socket | None = None
+        claim: Claim | None = None
         while True:
             try:
                 owner = _bind(base, listen=True)
@@ -174,19 +224,27 @@ class Ownership:
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise OwnershipError(f"cannot claim this network namespace: {exc}") from exc
-                # Ask who owns once per wait, not per poll: each ask is a
-                # connection the owner has to accept.
-                holder = holder or owner_pid(base)
-                if _stopping(base, holder) and time.monotonic() < deadline:
-                    time.sleep(_POLL)
-                    continue
-                raise OwnershipError(_conflict_message(base)) from None
+            holder = owner_pid(base)
+            if not _stopping(base, holder):
+                raise OwnershipError(_conflict_message(base))
+            if holder is not None and not asked:
+                asked = True  # one try per start: a failed one falls back to waiting
+                got = _ask(base, holder, listeners, deadline)
+                if got is not None:
+                    owner, claim = got
+                    break
+            if time.monotonic() >= deadline:
+                raise OwnershipError(_conflict_message(base))
+            time.sleep(_POLL)
         try:
             presence = _bind(f"{base}.live.{os.getpid()}")
         except OSError as exc:
-            owner.close()
+            if owner is not None:
+                owner.close()
+            if claim is not None:
+                claim.close()
             raise OwnershipError(f"cannot announce this process: {exc}") from exc
-        return cls(base, owner, presence)
+        return cls(base, owner, presence, claim)
 
     @property
     def owner(self) -> bool:
@@ -231,19 +289,339 @@ class Ownership:
 
         Only the process that acquired says it (the pid in the name is the
         owner's, which is what ``SO_PEERCRED`` reports); it lasts until ``close``.
+        The successor waits for the owner name: use ``offer`` to hand the
+        listeners over too.
         """
         if self._handover is None and self._owner is not None and os.getpid() == self.pid:
             with contextlib.suppress(OSError):
                 self._handover = _bind(f"{self.base}.handover.{self.pid}")
 
+    def offer(self, loop: asyncio.AbstractEventLoop) -> Offer | None:
+        """Say "handing over" and offer this process's listeners to one successor.
+
+        None if this process cannot offer (not the owner, or the name could
+        not be bound); ``stopping`` semantics hold either way.
+        """
+        if self._handover is not None or self._owner is None or os.getpid() != self.pid:
+            return None
+        try:
+            sock = _bind(f"{self.base}.handover.{self.pid}", listen=True)
+        except OSError as exc:
+            log.warning("cannot offer a handover: %s", exc)
+            return None
+        self._handover = sock
+        return Offer(self, sock, loop)
+
+    async def take_over(self, ready: Awaitable[object]) -> bool:
+        """A successor's end of the handover: READY once ``ready`` is done, then own.
+
+        Returns True once this process holds the owner name (the old one
+        passed it, or exited and so freed it); False if neither happened,
+        which is logged: this process keeps serving on the listeners it holds.
+        """
+        claim, self.claim = self.claim, None
+        if claim is None:
+            return self.owner
+        owner = await claim.complete(ready)
+        if owner is None:
+            # The old one is gone without passing the name: it is free, or
+            # about to be (a crash frees it when the kernel closes the fd).
+            deadline = time.monotonic() + HANDOVER_WAIT
+            while owner is None:
+                try:
+                    owner = _bind(self.base, listen=True)
+                except OSError as exc:
+                    if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                        log.error("could not take the owner name over from pid %d: %s; "
+                                  "serving on without it", claim.from_pid, exc)
+                        return False
+                    await asyncio.sleep(_POLL)
+        self._owner = owner
+        return True
+
     def close(self) -> None:
         """Release everything (exit)."""
         self.release()
+        if self.claim is not None:
+            self.claim.close()
+            self.claim = None
         for attr in ("_handover", "_presence"):
             s = getattr(self, attr)
             if s is not None:
                 s.close()
                 setattr(self, attr, None)
+
+
+def _ask(base: str, holder: int, listeners: bool, deadline: float
+         ) -> tuple[socket.socket | None, Claim | None] | None:
+    """Ask the stopping owner ``holder`` for its handover (``Ownership.acquire``).
+
+    Returns ``(owner socket, None)`` when the owner name was passed at once
+    (``listeners`` False), ``(None, claim)`` with the listeners received, or
+    None when the owner offers nothing (then wait for the name). Raises
+    ``OwnershipError`` when another successor is already taking over.
+    """
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(ASK_TIMEOUT)
+        conn.connect(f"\0{base}.handover.{holder}")
+        pid, _uid = peer_pid_uid(conn)
+    except OSError:  # only the name (no offer), or gone already
+        conn.close()
+        return None
+    reader = FrameReader(conn)
+    received: dict[ListenerKey, socket.socket] = {}
+    if pid != holder:  # not the owner's own handover socket: ask nobody else
+        reader.close()
+        return None
+    try:
+        send_frame(conn, WANT, {"listeners": listeners})
+        wait = max(deadline - time.monotonic(), ASK_TIMEOUT)
+        kind, msg = reader.read(wait)
+        if kind == BUSY:
+            raise OwnershipError(
+                f"another kpx node is already taking this network namespace over from pid "
+                f"{holder}; this one exits. {_conflict_message(base)}")
+        if kind == FREE:
+            reader.close()
+            return None
+        while kind == LISTENERS:
+            keys = msg.get("keys")
+            if not isinstance(keys, list) or len(keys) > MAX_FDS:
+                raise HandoverError("bad listener batch")
+            for key, fd in zip(keys, reader.take_fds(len(keys)), strict=True):
+                sock = socket.socket(fileno=fd)
+                if not (isinstance(key, list) and len(key) == 2 and isinstance(key[0], str)
+                        and isinstance(key[1], int)) or (key[0], key[1]) in received:
+                    sock.close()
+                    raise HandoverError(f"bad listener key {key!r}")
+                received[(key[0], key[1])] = sock
+            kind, msg = reader.read(ASK_TIMEOUT)
+        if kind == END:
+            if msg.get("count") != len(received):
+                raise HandoverError(f"{len(received)} listeners received, "
+                                    f"{msg.get('count')} sent")
+            conn.setblocking(False)
+            log.info("taking over from kpx node pid %d: received %d listening socket(s)",
+                     holder, len(received))
+            return None, Claim(reader, holder, received)
+        if kind == OWNER:
+            owner = socket.socket(fileno=reader.take_fds(1)[0])
+            owner.listen(OWNER_BACKLOG)  # SO_PEERCRED names the process that listened last
+            reader.close()
+            for sock in received.values():
+                sock.close()
+            log.info("took this network namespace over from kpx node pid %d", holder)
+            return owner, None
+        raise HandoverError(f"unexpected frame {kind!r}")
+    except HandoverError as exc:
+        log.warning("handover from kpx node pid %d failed: %s; waiting for it to release "
+                    "the namespace instead", holder, exc)
+    except BaseException:
+        for sock in received.values():
+            sock.close()
+        reader.close()
+        raise
+    for sock in received.values():
+        sock.close()
+    reader.close()
+    return None
+
+
+class Claim:
+    """A successor's pending handover: the listeners received, the owner name to come."""
+
+    def __init__(self, reader: FrameReader, from_pid: int,
+                 listeners: dict[ListenerKey, socket.socket]) -> None:
+        self._reader = reader
+        self.from_pid = from_pid
+        self._listeners = listeners
+
+    def take_listeners(self) -> dict[ListenerKey, socket.socket]:
+        """The listening sockets received, by (address, port); the caller owns them now."""
+        out, self._listeners = self._listeners, {}
+        return out
+
+    async def complete(self, ready: Awaitable[object]) -> socket.socket | None:
+        """Say READY once ``ready`` is done; return the owner socket the old one passes.
+
+        The old one keeps accepting until READY, so nothing waits on an
+        un-watched queue while this process loads its state; if it gives up
+        waiting first (its ``--shutdown-grace``), it passes the owner name
+        anyway and this process accepts once ``ready``. None if the old one
+        went away without passing it.
+        """
+        reader = self._reader
+        waiting = asyncio.ensure_future(ready)
+        owner_frame = asyncio.ensure_future(reader.read_async(None))
+        try:
+            done, _ = await asyncio.wait({waiting, owner_frame},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if waiting in done and not owner_frame.done():
+                with contextlib.suppress(OSError):
+                    await send_frame_async(reader.sock, READY)
+                    log.info("serving on the listeners of kpx node pid %d; told it to stop "
+                             "accepting", self.from_pid)
+            kind, _ = await owner_frame
+            if kind != OWNER:
+                raise HandoverError(f"unexpected frame {kind!r}")
+            owner = socket.socket(fileno=reader.take_fds(1)[0])
+            owner.listen(OWNER_BACKLOG)  # SO_PEERCRED names the process that listened last
+            log.info("took this network namespace over from kpx node pid %d", self.from_pid)
+            return owner
+        except (HandoverError, OSError) as exc:
+            log.warning("kpx node pid %d went away during the handover: %s", self.from_pid, exc)
+            return None
+        finally:
+            owner_frame.cancel()
+            waiting.cancel()
+            self.close()
+
+    def close(self) -> None:
+        for sock in self._listeners.values():
+            sock.close()
+        self._listeners = {}
+        self._reader.close()
+
+
+class Offer:
+    """A stopping owner's offer of its listeners to one successor (``Ownership.offer``).
+
+    The connection that comes first is served; any other is answered
+    ``BUSY`` (it fails fast), or ``FREE`` once this process has given up
+    waiting (it claims the released owner name itself). Only askers of this
+    process's own uid (or root) are answered at all.
+    """
+
+    def __init__(self, ownership: Ownership, sock: socket.socket,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._ownership = ownership
+        self._sock = sock
+        self._loop = loop
+        self._state = "offering"
+        """offering (waiting for a successor), busy (serving one), handed, closed."""
+        self._waiter: asyncio.Future[socket.socket] | None = None
+        loop.add_reader(sock.fileno(), self._on_connect)
+
+    def _on_connect(self) -> None:
+        for _ in range(16):
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                _pid, uid = peer_pid_uid(conn)
+            except OSError:
+                conn.close()
+                continue
+            if uid not in (0, os.getuid()):
+                conn.close()
+                continue
+            waiter = self._waiter
+            if self._state == "offering" and waiter is not None and not waiter.done():
+                self._state = "busy"
+                conn.setblocking(False)
+                waiter.set_result(conn)
+                continue
+            # "offering" without a waiter: the window has just closed.
+            answer = BUSY if self._state in ("busy", "handed") else FREE
+            with contextlib.suppress(OSError):  # a few bytes into an empty buffer
+                conn.setblocking(False)
+                conn.send(encode(answer))
+            conn.close()
+
+    async def wait(self, listeners: Callable[[], list[tuple[ListenerKey, socket.socket]]],
+                   window: float, ready_timeout: float) -> Successor | None:
+        """Keep serving until a successor has taken the listeners, or ``window`` passes.
+
+        Returns the successor once it said READY (or took the listeners and
+        did not say READY within ``ready_timeout``: it holds them, so it
+        will serve them once it can); None when nobody came in ``window``,
+        or everyone who came went away again. The caller then stops
+        accepting and passes the owner name (``Successor.finish``).
+        """
+        deadline = self._loop.time() + window
+        while True:
+            self._waiter = self._loop.create_future()
+            try:
+                conn = await asyncio.wait_for(self._waiter,
+                                              max(0.0, deadline - self._loop.time()))
+            except TimeoutError:
+                self._state = "closed"
+                return None
+            finally:
+                self._waiter = None
+            successor = await self._serve(conn, listeners, ready_timeout)
+            if successor is not None:
+                self._state = "handed"
+                return successor
+            self._state = "offering"
+
+    async def _serve(self, conn: socket.socket,
+                     listeners: Callable[[], list[tuple[ListenerKey, socket.socket]]],
+                     ready_timeout: float) -> Successor | None:
+        reader = FrameReader(conn)
+        pid = -1
+        try:
+            pid, _uid = peer_pid_uid(conn)
+            kind, msg = await reader.read_async(ASK_TIMEOUT)
+            if kind != WANT:
+                raise HandoverError(f"unexpected frame {kind!r}")
+            if msg.get("listeners"):
+                socks = listeners()
+                for i in range(0, len(socks), MAX_FDS):
+                    batch = socks[i:i + MAX_FDS]
+                    await send_frame_async(conn, LISTENERS, {"keys": [list(k) for k, _ in batch]},
+                                           [s.fileno() for _, s in batch], ASK_TIMEOUT)
+                await send_frame_async(conn, END, {"count": len(socks)}, None, ASK_TIMEOUT)
+                log.info("passed %d listening socket(s) to kpx node pid %d; accepting until "
+                         "it serves them too (up to %.1fs)", len(socks), pid, ready_timeout)
+                try:
+                    kind, _ = await reader.read_async(ready_timeout)
+                except HandoverTimeout:
+                    log.warning("kpx node pid %d took the listeners but is not serving after "
+                                "%.1fs; it keeps them queued, this one stops accepting",
+                                pid, ready_timeout)
+                    return Successor(self._ownership, reader, pid)
+                if kind != READY:
+                    raise HandoverError(f"unexpected frame {kind!r}")
+            return Successor(self._ownership, reader, pid)
+        except (HandoverError, OSError) as exc:
+            log.warning("handover to kpx node pid %d failed: %s; still accepting", pid, exc)
+            reader.close()
+            return None
+
+    def close(self) -> None:
+        """Stop answering (the handover name stays bound until ``Ownership.close``)."""
+        self._state = "closed"
+        with contextlib.suppress(Exception):  # the loop may be closed already
+            self._loop.remove_reader(self._sock.fileno())
+
+
+class Successor:
+    """The process that took this one's listeners; ``finish`` passes the owner name."""
+
+    def __init__(self, ownership: Ownership, reader: FrameReader, pid: int) -> None:
+        self._ownership = ownership
+        self._reader = reader
+        self.pid = pid
+
+    async def finish(self) -> None:
+        """Pass the owner socket (after this process stopped accepting), then release it.
+
+        Passing the socket, not freeing the name, leaves no moment in which a
+        third instance could take it.
+        """
+        owner = self._ownership._owner
+        if owner is not None:
+            try:
+                await send_frame_async(self._reader.sock, OWNER, None, [owner.fileno()],
+                                       ASK_TIMEOUT)
+            except OSError as exc:
+                log.warning("could not pass the owner name to kpx node pid %d: %s; "
+                            "releasing it", self.pid, exc)
+        self._ownership.release()
+        self._reader.close()
 
 
 def _conflict_message(base: str) -> str:

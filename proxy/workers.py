@@ -7,7 +7,12 @@ worker 0 runs the sync-period guard that restores it, next to the health it
 reports to). The namespace claim (``proxy.ownership``) is taken by
 ``kpx node`` before this runs: the workers inherit it, a second instance
 fails before it could join their SO_REUSEPORT group, and SIGTERM hands the
-namespace over once the workers' listeners are closed.
+namespace over once the workers' listeners are closed. Unlike one process,
+N workers pass no listening sockets on (each worker's sockets belong to its
+reuseport group; a successor's would have to join it): a restart refuses
+connections from the workers' close until the new instance listens, and a
+``--workers`` successor of a single process asks it to close at once
+(``Ownership.acquire(listeners=False)``) instead of waiting out its window.
 
 Never: proxy a connection itself. Each worker is a complete ``kpx node``
 (its own state source, plans and balancers) on SO_REUSEPORT listeners; the

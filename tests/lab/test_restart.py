@@ -6,9 +6,13 @@ Issue "Robustness", points 2 and 3, on a real lab node:
   namespace exits at once with a message naming the one that serves, and
   leaves it whole: routing unchanged, client IPs still preserved;
 - a restart (SIGTERM the old one, start the new one at once, as an operator
-  does) under ``Connection: close`` load fails no connection once the new
-  process listens, client IPs survive the old one's exit, and ``ip rule``,
-  ``nft list ruleset`` and every route are the same before and after;
+  does) under ``Connection: close`` load fails no connection at all (one
+  process: the listening sockets move to the new one), or none once the new
+  process listens (``--workers 2``, which binds anew); client IPs survive the
+  old one's exit, and ``ip rule``, ``nft list ruleset`` and every route are
+  the same before and after;
+- SIGTERM with no successor keeps accepting for ``--handover-wait``, then
+  refuses, and exits;
 - the nft table, the fwmark rule or the local route deleted from outside
   comes back within about one sync period, and the repair is counted.
 
@@ -17,7 +21,9 @@ Every ``ip``/``nft`` here runs inside the lab's node namespace.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from nodeport_helpers import connect_outcome
 
 from lab import netns
 from lab.cluster import wait_until
@@ -173,6 +180,9 @@ def serving_pids(lab: Any, pid: int, port: int) -> set[int]:
 def test_restart_under_load_hands_over_without_a_gap(
     lab_factory: Callable[..., Any], one_pod_spec: Callable[..., dict[str, Any]], workers: int,
 ) -> None:
+    """One process: not one connection fails during the whole restart (the listening
+    sockets move to the new process). ``--workers 2`` still closes and binds anew:
+    none fails once the new one listens."""
     lab = lab_factory(one_pod_spec(nodes=2),
                       extra_proxy_args=("--shutdown-grace", "10s", "--workers", str(workers)))
     ip, port = lab.node_ip(NODE), lab.node_port("default/web")
@@ -188,9 +198,13 @@ def test_restart_under_load_hands_over_without_a_gap(
         wait_until(lambda: load.ok_since(0) >= 20, 10, what="load running")
 
         old, new = lab.restart_proxy(NODE)
-        wait_until(lambda: serving_pids(lab, new, port), 15, what="the new kpx node listening")
+        restarted = time.monotonic()
+        # Only the new one listens: the old one has stopped accepting (and,
+        # with one process, closed its copies of the very same sockets).
+        wait_until(lambda: serving_pids(lab, new, port)
+                   and lab.listener_pids(NODE, port) == serving_pids(lab, new, port),
+                   15, what="the new kpx node alone listening")
         up = time.monotonic()
-        assert lab.listener_pids(NODE, port) == serving_pids(lab, new, port)
 
         # The new one installed the return path without disturbing the old
         # one's connections: the draining relay still preserves the client IP.
@@ -203,19 +217,59 @@ def test_restart_under_load_hands_over_without_a_gap(
         wait_until(lambda: load.ok_since(gone) >= 30, 15, what="load after the old one exited")
 
     attempts = list(load.attempts)
-    failed_after_up = [a for a in attempts if a.started >= up and not a.ok]
-    assert failed_after_up == [], (
-        f"{len(failed_after_up)} of {sum(a.started >= up for a in attempts)} connections "
-        f"failed after the new kpx node was up: {failed_after_up[:3]}")
+    since = restarted if workers == 1 else up
+    failed = [a for a in attempts if a.started >= since and not a.ok]
+    assert failed == [], (
+        f"{len(failed)} of {sum(a.started >= since for a in attempts)} connections failed "
+        f"{'during the restart' if workers == 1 else 'after the new kpx node was up'}: "
+        f"{failed[:3]}")
+    if workers == 1:
+        assert not [a for a in attempts if not a.ok], "a connection failed before the restart"
+        assert sum(restarted <= a.started < up for a in attempts) >= 5, \
+            "too few connections during the handover to tell"
     after_exit = [a for a in attempts if a.started >= gone]
     assert after_exit and all(a.peer == client for a in after_exit), after_exit[:3]
     assert peer_ip(lab) == client
 
     assert routing(lab) == before
     log = lab.proxy_log(NODE)
-    assert "a new kpx node may take over" in log
+    if workers == 1:
+        assert f"handed this network namespace to kpx node pid {new}" in log
+        assert "(socket taken over)" in log
+    else:
+        assert "a new kpx node may take over" in log
     assert f"left in place: kpx pid {new} in this namespace still uses it" in log
     assert lab.proxy_alive(NODE) and lab.proxy_pid(NODE) == new
+
+
+def test_sigterm_without_a_successor_keeps_accepting_for_the_window_then_refuses(
+    lab_factory: Callable[..., Any], one_pod_spec: Callable[..., dict[str, Any]],
+) -> None:
+    """Nobody takes over: accepting for ``--handover-wait`` (2s), then refused (not hung)."""
+    lab = lab_factory(one_pod_spec(nodes=2))
+    ip, port = lab.node_ip(NODE), lab.node_port("default/web")
+    pid = lab.proxy_pid(NODE)
+    assert peer_ip(lab) == lab.client_ip
+
+    os.kill(pid, signal.SIGTERM)
+    sent = time.monotonic()
+    assert lab.request("client", ip, port, mode="HTTP", timeout=2.0)["pod"] == "web-1"
+    served_at = time.monotonic()
+    assert served_at - sent < 1.0, "accepting during the window, at once"
+
+    def refused() -> bool:
+        return connect_outcome(lab, "client", ip, port, 1.0) == "refused"
+
+    wait_until(refused, 6, what="NodePort refused after the window")
+    closed = time.monotonic() - sent
+    assert 1.5 < closed < 4.5, f"listeners closed {closed:.2f}s after SIGTERM (window 2s)"
+    wait_until(lambda: not netns.pid_alive(pid), 10, what="the kpx node exiting")
+    for _ in range(3):  # refused at once, never left hanging
+        assert connect_outcome(lab, "client", ip, port, 1.0) == "refused"
+    log = lab.proxy_log(NODE)
+    assert "accepting for up to 2.0s more while a new kpx node may take" in log
+    assert "released this network namespace: a new kpx node may take over" in log
+    assert f"kpx node {NODE} stopped" in log
 
 
 def _repairs(lab: Any, part: str) -> float:
