@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import os
 import resource
 import signal
 import socket
@@ -374,6 +375,49 @@ def raise_nofile_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (OSError, ValueError) as e:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
+    presize_fd_table()
+
+
+FD_TABLE_PRESIZE_MAX = 65536
+"""Fds the table is grown to at start, at most: 512 KiB of kernel memory per process."""
+
+
+def presize_fd_table(limit: int | None = None) -> int:
+    """Grow this process's fd table to the open-file limit now, while it has one thread.
+
+    The kernel doubles a process's fd table when an fd lands past its end;
+    in a process with several threads (the state loader's, the executor's)
+    each doubling waits for an RCU grace period, 10-15 ms in which the
+    thread that opened the fd, here the event loop binding listeners, is
+    stuck. Placing one fd at the top once, single-threaded, makes the table
+    its final size up front; every later open is a plain slot fill. Returns
+    the size reached (0 if it could not be done, which only costs those stalls).
+    """
+    if limit is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        limit = soft if soft != resource.RLIM_INFINITY else FD_TABLE_PRESIZE_MAX
+    top = min(limit, FD_TABLE_PRESIZE_MAX) - 1
+    if top < 3:
+        return 0
+    try:
+        os.fstat(top)
+    except OSError:
+        pass  # free, as expected: fill it for a moment
+    else:
+        return top + 1  # in use (inherited?): the table is that big already; never clobber it
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        os.dup2(fd, top, inheritable=False)
+        os.close(top)
+    except OSError as e:
+        log.debug("cannot presize the fd table to %d: %s", top + 1, e)
+        return 0
+    finally:
+        os.close(fd)
+    return top + 1
 
 
 def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
