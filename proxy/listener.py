@@ -215,12 +215,7 @@ class Listener:
         except BaseException:
             s.close()
             raise
-        self._sock = s
-        self._fd = s.fileno()
-        self._filter = program
-        self._start_reading()
-        if self._want_steer:
-            self.set_steering(self._want_steer)
+        self._serve(s, program)
 
     def _adopt(self, s: socket.socket, program: list[synfilter.Instruction] | None) -> None:
         """Take over ``s``, an inherited listening socket for this address and port."""
@@ -235,6 +230,10 @@ class Listener:
         else:
             synfilter.attach(s, program)
         s.listen(self._backlog)  # this process's backlog; the queue itself stays
+        self._serve(s, program)
+
+    def _serve(self, s: socket.socket, program: list[synfilter.Instruction] | None) -> None:
+        """``s`` listens (bound here or adopted): it is ours from now on; start accepting."""
         self._sock = s
         self._fd = s.fileno()
         self._filter = program
