@@ -52,7 +52,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 from proxy.handover import (
@@ -163,20 +163,40 @@ def routing_lock(base: str = BASE_NAME, timeout: float = LOCK_WAIT) -> Iterator[
     change then goes ahead, as it would have without kpx's help.
     """
     deadline = time.monotonic() + timeout
-    sock: socket.socket | None = None
-    while True:
-        try:
-            sock = _bind(f"{base}.routing")
-            break
-        except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            if time.monotonic() >= deadline:
-                log.warning("routing lock still held after %.0fs; going ahead", timeout)
-                break
-            time.sleep(_POLL)
-    try:
+    while (sock := _try_routing_lock(base)) is None and time.monotonic() < deadline:
+        time.sleep(_POLL)
+    with _holding(sock, timeout):
         yield sock is not None
+
+
+@contextlib.asynccontextmanager
+async def routing_lock_async(
+    base: str = BASE_NAME, timeout: float = LOCK_WAIT
+) -> AsyncIterator[bool]:
+    """``routing_lock`` for the event loop: waits without blocking it."""
+    deadline = time.monotonic() + timeout
+    while (sock := _try_routing_lock(base)) is None and time.monotonic() < deadline:
+        await asyncio.sleep(_POLL)
+    with _holding(sock, timeout):
+        yield sock is not None
+
+
+def _try_routing_lock(base: str) -> socket.socket | None:
+    """The routing mutex's socket, or None while another process holds it."""
+    try:
+        return _bind(f"{base}.routing")
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+    return None
+
+
+@contextlib.contextmanager
+def _holding(sock: socket.socket | None, timeout: float) -> Iterator[None]:
+    if sock is None:
+        log.warning("routing lock still held after %.0fs; going ahead", timeout)
+    try:
+        yield
     finally:
         if sock is not None:
             sock.close()

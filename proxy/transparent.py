@@ -31,8 +31,8 @@ loop, and pyroute2 0.9's synchronous ``IPRoute`` drives its own asyncio loop
 (``run_until_complete`` refuses to run inside a running loop) while its
 netlink endpoint cannot be created on uvloop at all ("cannot open a UDP
 handle, invalid family 16"). ``ip`` and ``nft`` are required system tools
-anyway; they run at start, at exit, and once per sync period in an
-executor thread (the guard's check), never on the event loop while it serves.
+anyway; they run at start, at exit, and once per sync period as the loop's
+own subprocesses (the guard's check: no thread, the loop never waits).
 """
 
 from __future__ import annotations
@@ -44,16 +44,19 @@ import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 from proxy import metrics
-from proxy.ownership import BASE_NAME, live_pids, routing_lock
+from proxy.ownership import BASE_NAME, live_pids, routing_lock, routing_lock_async
 
 if TYPE_CHECKING:
     from proxy.state import ProxyHealth
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 IP_TRANSPARENT = 19
 IP_BIND_ADDRESS_NO_PORT = 24
@@ -104,14 +107,69 @@ def _rule_args(cfg: RoutingConfig) -> list[str]:
     return ["pref", str(cfg.rule_pref), "fwmark", mark, "lookup", str(cfg.table)]
 
 
-def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+class _Result(NamedTuple):
+    """What one ``ip``/``nft`` run said."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Command = tuple[list[str], str | None]
+"""argv and what to write to its stdin."""
+Steps = Generator[Command, _Result, T]
+"""A routing procedure written once, sans I/O: it yields the commands it needs
+run and is sent their results. ``_drive`` runs them with ``subprocess`` (start,
+exit, tests); ``_drive_async`` with the loop's own subprocesses, which on uvloop
+start no thread (the guard's check, every sync period: see
+``proxy.source.INLINE_MAX_BYTES`` for why a thread costs every connection)."""
+
+
+def _run(argv: list[str], stdin: str | None = None) -> _Result:
+    res = subprocess.run(
         argv, input=stdin, capture_output=True, text=True, timeout=_TIMEOUT, check=False
     )
+    return _Result(res.returncode, res.stdout, res.stderr)
 
 
-def _check(argv: list[str], stdin: str | None = None) -> None:
-    res = _run(argv, stdin)
+async def _run_async(argv: list[str], stdin: str | None = None) -> _Result:
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=pipe if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=pipe, stderr=pipe,
+    )
+    try:
+        out, err = await asyncio.wait_for(
+            proc.communicate(None if stdin is None else stdin.encode()), _TIMEOUT
+        )
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise subprocess.TimeoutExpired(argv, _TIMEOUT) from None
+    return _Result(proc.returncode or 0, out.decode(errors="replace"),
+                   err.decode(errors="replace"))
+
+
+def _drive(steps: Steps[T]) -> T:
+    try:
+        command = next(steps)
+        while True:
+            command = steps.send(_run(*command))
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+async def _drive_async(steps: Steps[T]) -> T:
+    try:
+        command = next(steps)
+        while True:
+            command = steps.send(await _run_async(*command))
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+def _checked(argv: list[str], stdin: str | None = None) -> Steps[None]:
+    res = yield argv, stdin
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or f'exit {res.returncode}'}")
 
@@ -229,23 +287,7 @@ class TransparentRouting:
 
     def missing(self) -> list[str]:
         """The parts of the return path that are not (exactly) installed right now."""
-        out: list[str] = []
-        res = _run(["nft", "-j", "list", "table", "inet", self.cfg.nft_table])
-        if res.returncode != 0 and "No such file" not in res.stderr:
-            raise RuntimeError(f"nft list table: {res.stderr.strip() or res.returncode}")
-        if res.returncode != 0 or not _nft_table_ok(res.stdout, self.cfg):
-            out.append(PART_NFT)
-        res = _run(["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)])
-        if res.returncode != 0:
-            raise RuntimeError(f"ip rule show: {res.stderr.strip() or res.returncode}")
-        self._rule_copies = _rules_matching(res.stdout, self.cfg)
-        if self._rule_copies == 0:
-            out.append(PART_RULE)
-        res = _run(["ip", "-j", "-4", "route", "show", "table", str(self.cfg.table)])
-        # An emptied table stops existing: "FIB table does not exist" is "missing".
-        if res.returncode != 0 or not _route_ok(res.stdout):
-            out.append(PART_ROUTE)
-        return out
+        return _drive(self._missing_steps())
 
     def ensure(self) -> list[str]:
         """Add whatever part is missing, nothing else; return what was missing.
@@ -253,20 +295,47 @@ class TransparentRouting:
         Never deletes a part first: the nft table is (re)written by one
         atomic transaction, the rule is only added, the route is replaced in
         place. Raises RuntimeError if a part is still missing afterwards.
-        Blocking (subprocesses): off the event loop once kpx serves.
+        Blocking (subprocesses): for start and exit; the loop uses ``ensure_async``.
         """
         with routing_lock(self.base):
-            missing = self.missing()
-            if PART_NFT in missing:
-                _check(["nft", "-f", "-"], nft_ruleset(self.cfg))
-            if PART_RULE in missing:
-                _check(["ip", "-4", "rule", "add", *_rule_args(self.cfg)])
-            if PART_ROUTE in missing:
-                _check(["ip", "-4", "route", "replace", "local", "0.0.0.0/0", "dev", "lo",
-                        "table", str(self.cfg.table)])
-            if self._rule_copies > 1:
-                self._drop_duplicate_rules()
-            still = self.missing() if missing else []
+            return _drive(self._ensure_steps())
+
+    async def ensure_async(self) -> list[str]:
+        """``ensure`` on the running loop: its subprocesses are the loop's, no thread."""
+        async with routing_lock_async(self.base):
+            return await _drive_async(self._ensure_steps())
+
+    def _missing_steps(self) -> Steps[list[str]]:
+        out: list[str] = []
+        res = yield ["nft", "-j", "list", "table", "inet", self.cfg.nft_table], None
+        if res.returncode != 0 and "No such file" not in res.stderr:
+            raise RuntimeError(f"nft list table: {res.stderr.strip() or res.returncode}")
+        if res.returncode != 0 or not _nft_table_ok(res.stdout, self.cfg):
+            out.append(PART_NFT)
+        res = yield ["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)], None
+        if res.returncode != 0:
+            raise RuntimeError(f"ip rule show: {res.stderr.strip() or res.returncode}")
+        self._rule_copies = _rules_matching(res.stdout, self.cfg)
+        if self._rule_copies == 0:
+            out.append(PART_RULE)
+        res = yield ["ip", "-j", "-4", "route", "show", "table", str(self.cfg.table)], None
+        # An emptied table stops existing: "FIB table does not exist" is "missing".
+        if res.returncode != 0 or not _route_ok(res.stdout):
+            out.append(PART_ROUTE)
+        return out
+
+    def _ensure_steps(self) -> Steps[list[str]]:
+        missing = yield from self._missing_steps()
+        if PART_NFT in missing:
+            yield from _checked(["nft", "-f", "-"], nft_ruleset(self.cfg))
+        if PART_RULE in missing:
+            yield from _checked(["ip", "-4", "rule", "add", *_rule_args(self.cfg)])
+        if PART_ROUTE in missing:
+            yield from _checked(["ip", "-4", "route", "replace", "local", "0.0.0.0/0", "dev",
+                                 "lo", "table", str(self.cfg.table)])
+        if self._rule_copies > 1:
+            yield from self._drop_duplicate_rules()
+        still = (yield from self._missing_steps()) if missing else []
         if still:
             raise RuntimeError(f"still missing after adding it: {', '.join(still)}")
         return missing
@@ -289,16 +358,16 @@ class TransparentRouting:
             self._cleanup()
         return True
 
-    def _drop_duplicate_rules(self) -> None:
+    def _drop_duplicate_rules(self) -> Steps[None]:
         """A crash loop of an older kpx may have left copies; delete all but one.
 
         Each ``ip rule del`` removes one copy, so at least one stays throughout.
         """
         for _ in range(16):
-            res = _run(["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)])
+            res = yield ["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)], None
             if res.returncode != 0 or _rules_matching(res.stdout, self.cfg) <= 1:
                 return
-            _run(["ip", "-4", "rule", "del", *_rule_args(self.cfg)])
+            yield ["ip", "-4", "rule", "del", *_rule_args(self.cfg)], None
 
     def _remove_rules(self) -> None:
         # Exact match on pref, mark and table: never delete someone else's rule.
@@ -334,7 +403,7 @@ class ReturnPathGuard:
     and every healthCheckNodePort answer 503 and load balancers move away.
 
     Only the namespace's owner runs one; it is cancelled at SIGTERM. The
-    subprocesses run in the default executor, never on the event loop.
+    subprocesses are the loop's own (``ensure_async``): no thread, nothing blocks.
     """
 
     FAULT = "return-path"
@@ -346,9 +415,8 @@ class ReturnPathGuard:
 
     async def check(self) -> list[str]:
         """One round: returns the parts that were missing and are now back."""
-        loop = asyncio.get_running_loop()
         try:
-            restored = await loop.run_in_executor(None, self.routing.ensure)
+            restored = await self.routing.ensure_async()
         except Exception as exc:  # any failure means: cannot vouch for the return path
             metrics.RETURN_PATH_REPAIR_FAILURES.inc()
             why = str(exc) or type(exc).__name__

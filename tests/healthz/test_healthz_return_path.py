@@ -44,6 +44,10 @@ class FakeRouting(TransparentRouting):
             raise out
         return out
 
+    async def ensure_async(self) -> list[str]:
+        await asyncio.sleep(0)  # the real one awaits its subprocesses
+        return self.ensure()
+
 
 def test_a_fault_makes_the_proxy_unhealthy_until_cleared() -> None:
     health = ProxyHealth(timeout=60.0)
@@ -98,10 +102,11 @@ async def hc_answer(port: int) -> tuple[int, dict[str, object]]:
     return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
-async def test_guard_runs_every_period_off_the_event_loop() -> None:
+async def test_guard_runs_every_period_and_starts_no_thread() -> None:
     health = ProxyHealth(timeout=60.0)
     routing = FakeRouting([[], [], [], [], []])
     guard = ReturnPathGuard(routing, health, period=0.02)
+    threads = threading.active_count()
     task = asyncio.create_task(guard.run())
     try:
         for _ in range(200):  # bounded: 2 s
@@ -112,5 +117,8 @@ async def test_guard_runs_every_period_off_the_event_loop() -> None:
         task.cancel()
     assert routing.calls >= 3
     assert health.healthy()
-    # ip/nft are subprocesses: they run in the executor, never on the loop's thread.
-    assert threading.main_thread().name not in routing.threads
+    # The check awaits the loop's own subprocesses (ensure_async): a thread would
+    # switch the process to glibc's multi-threaded paths for good
+    # (proxy.source.INLINE_MAX_BYTES), so none is started, not even an executor's.
+    assert threading.active_count() == threads
+    assert routing.threads == {threading.current_thread().name}
