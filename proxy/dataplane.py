@@ -290,12 +290,15 @@ class Dataplane:
         """
         if self._closed:
             return
-        with self._plan_lock:
-            plans = build_plans(
-                snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
-            )
+        plans = self._build_plans(snapshot)
         desired = self._desired_for(plans, _ipv4_of(snapshot, self.node_name))
         self._prepared = (snapshot, plans, desired, self._port_table(plans))
+
+    def _build_plans(self, snapshot: Snapshot) -> dict[int, PortPlan]:
+        with self._plan_lock:  # prepare (a worker thread) and apply share the cache
+            return build_plans(
+                snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
+            )
 
     def _desired_for(self, plans: dict[int, PortPlan], node_ips: tuple[str, ...]
                      ) -> dict[ListenerKey, bool]:
@@ -346,10 +349,7 @@ class Dataplane:
         if prepared is not None and prepared[0] is snapshot:
             _, plans, desired, table = prepared
         else:
-            with self._plan_lock:
-                plans = build_plans(
-                    snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
-                )
+            plans = self._build_plans(snapshot)
         self._swap_plans(plans, table)
 
         if node_ips != self._node_ips:

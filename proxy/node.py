@@ -47,6 +47,7 @@ from typing import Any
 
 from proxy import metrics
 from proxy.check import add_max_bytes_flag
+from proxy.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
 from proxy.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.model import Snapshot
 from proxy.ownership import Ownership, OwnershipError, Successor
@@ -71,6 +72,17 @@ def parse_duration(text: str) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * units[suffix]
     return float(text)
+
+
+def parse_timeout(text: str) -> float:
+    """A duration that may be 0 (off, as kube-proxy's "leave as is") but not negative."""
+    seconds = parse_duration(text)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0 (0 turns it off)")
+    return seconds
+
+
+parse_timeout.__name__ = "duration"  # argparse names the type: "invalid duration value"
 
 
 def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
@@ -154,21 +166,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="upstream connect timeout per endpoint before trying another (default 2s)",
     )
 
-    def timeout(text: str) -> float:
-        """A duration that may be 0 (off, as kube-proxy's "leave as is") but not negative."""
-        seconds = parse_duration(text)
-        if seconds < 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be >= 0 (0 turns it off)")
-        return seconds
-
-    timeout.__name__ = "duration"  # argparse names the type in "invalid duration value"
     parser.add_argument(
-        "--conntrack-tcp-timeout-established", type=timeout, default=24 * 3600.0,
-        metavar="DURATION",
+        "--conntrack-tcp-timeout-established", type=parse_timeout,
+        default=TCP_TIMEOUT_ESTABLISHED, metavar="DURATION",
         help="reset a connection idle (no byte either way) this long; 0: never (default 24h)",
     )
     parser.add_argument(
-        "--conntrack-tcp-timeout-close-wait", type=timeout, default=3600.0, metavar="DURATION",
+        "--conntrack-tcp-timeout-close-wait", type=parse_timeout,
+        default=TCP_TIMEOUT_CLOSE_WAIT, metavar="DURATION",
         help="reset a half-closed connection (one side sent FIN) idle this long;"
         " 0: the established timeout applies (default 1h)",
     )
@@ -194,8 +199,8 @@ async def start_source(
 
     Applying first means a node whose healthz answers already has its NodePorts
     listening (bounded by ``timeout`` for the API, which may be unreachable).
-    The file is read and parsed in a worker thread, as every later load is:
-    ``kpx healthz`` already serves while it starts.
+    A big file is read and parsed in a worker thread, as every later load is
+    (``StateFileSource.load_async``): ``kpx healthz`` already serves while it starts.
     """
     if isinstance(source, StateFileSource):
         await source.load_async()
@@ -386,7 +391,7 @@ def presize_fd_table(limit: int | None = None) -> int:
     """Grow this process's fd table to the open-file limit now, while it has one thread.
 
     The kernel doubles a process's fd table when an fd lands past its end;
-    in a process with several threads (the state loader's, the executor's)
+    in a process with several threads (the state loader's, for a big state)
     each doubling waits for an RCU grace period, 10-15 ms in which the
     thread that opened the fd, here the event loop binding listeners, is
     stuck. Placing one fd at the top once, single-threaded, makes the table

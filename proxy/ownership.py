@@ -50,7 +50,6 @@ import errno
 import logging
 import os
 import socket
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -76,7 +75,7 @@ from proxy.handover import (
 log = logging.getLogger(__name__)
 
 BASE_NAME = "kpx-node"
-HANDOVER_WAIT = 10.0
+SUCCESSOR_WAIT = 10.0
 """How long a new instance waits for an owner that is already stopping."""
 LOCK_WAIT = 10.0
 """How long a routing change waits for another process's change to finish."""
@@ -136,9 +135,7 @@ def owner_pid(base: str = BASE_NAME) -> int | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     try:
         s.connect("\0" + base)
-        raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, _uid, _gid = struct.unpack("3i", raw)
-        return pid or None
+        return peer_pid_uid(s)[0] or None
     except OSError:
         return None
     finally:
@@ -217,7 +214,7 @@ class Ownership:
         """A successor's pending handover: the listeners it received, the owner name to come."""
 
     @classmethod
-    def acquire(cls, base: str = BASE_NAME, handover_wait: float = HANDOVER_WAIT,
+    def acquire(cls, base: str = BASE_NAME, successor_wait: float = SUCCESSOR_WAIT,
                 listeners: bool = True) -> Ownership:
         """Take the owner name (or a stopping owner's handover), then announce presence.
 
@@ -230,10 +227,10 @@ class Ownership:
         owner name once this process serves; without, it waits until the old
         one has closed them and passed the owner name. When the owner offers
         nothing (the ``--workers`` supervisor, or an owner between its
-        window's end and its exit), it waits up to ``handover_wait`` for the
+        window's end and its exit), it waits up to ``successor_wait`` for the
         owner name.
         """
-        deadline = time.monotonic() + handover_wait
+        deadline = time.monotonic() + successor_wait
         asked = False
         owner: socket.socket | None = None
         claim: Claim | None = None
@@ -346,7 +343,7 @@ class Ownership:
         if owner is None:
             # The old one is gone without passing the name: it is free, or
             # about to be (a crash frees it when the kernel closes the fd).
-            deadline = time.monotonic() + HANDOVER_WAIT
+            deadline = time.monotonic() + SUCCESSOR_WAIT
             while owner is None:
                 try:
                     owner = _bind(self.base, listen=True)

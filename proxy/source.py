@@ -337,7 +337,7 @@ class StateFileSource:
     def load(self, force: bool = False) -> bool:
         """Read, parse and publish now, on the calling thread (start-up and tests).
 
-        ``run`` never calls it: on a running loop use ``load_async``.
+        On a running loop use ``load_async``, which calls this for small files.
         Returns True when the hub holds this file's current content afterwards.
         """
         return self._finish(self._read_and_parse(force))

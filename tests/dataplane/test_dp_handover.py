@@ -144,7 +144,7 @@ def test_listeners_and_their_queues_move_to_the_successor(
     try:
         old.say("stop")
         offering(base, old.proc.pid)
-        own = Ownership.acquire(base, handover_wait=5.0)
+        own = Ownership.acquire(base, successor_wait=5.0)
         try:
             assert own.claim is not None and not own.owner
             got = own.claim.take_listeners()
@@ -184,7 +184,7 @@ def test_a_second_instance_of_a_serving_owner_gets_nothing(
     old = old_factory()
     t0 = time.monotonic()
     with pytest.raises(OwnershipError, match=f"pid {old.proc.pid}"):
-        Ownership.acquire(base, handover_wait=5.0)
+        Ownership.acquire(base, successor_wait=5.0)
     assert time.monotonic() - t0 < 0.5
     # Nothing to ask: no handover socket until the owner is told to stop.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s, \
@@ -199,12 +199,12 @@ def test_a_third_instance_during_a_handover_fails_fast(
     old = old_factory(count=2)
     old.say("stop")
     offering(base, old.proc.pid)
-    own = Ownership.acquire(base, handover_wait=5.0)
+    own = Ownership.acquire(base, successor_wait=5.0)
     try:
         assert own.claim is not None
         t0 = time.monotonic()
         with pytest.raises(OwnershipError, match="already taking this network namespace over"):
-            Ownership.acquire(base, handover_wait=5.0)
+            Ownership.acquire(base, successor_wait=5.0)
         assert time.monotonic() - t0 < 1.0
     finally:
         own.close()
@@ -217,11 +217,11 @@ def test_a_successor_that_dies_before_serving_leaves_the_old_one_accepting(
     port = old.ports[0]
     old.say("stop")
     offering(base, old.proc.pid)
-    first = Ownership.acquire(base, handover_wait=5.0)
+    first = Ownership.acquire(base, successor_wait=5.0)
     assert first.claim is not None
     first.close()  # gone before saying READY: the old one keeps its listeners
     with queued_client(port):  # still listening, still queueing
-        second = Ownership.acquire(base, handover_wait=5.0)
+        second = Ownership.acquire(base, successor_wait=5.0)
         try:
             assert second.claim is not None
             got = second.claim.take_listeners()
@@ -245,7 +245,7 @@ def test_no_successor_in_the_window_then_a_late_one_claims_the_released_name(
     old.say("done")
     assert old.line() == "released"
     # Present (draining) but no longer the owner: a new one just takes the name.
-    own = Ownership.acquire(base, handover_wait=2.0)
+    own = Ownership.acquire(base, successor_wait=2.0)
     try:
         assert own.owner and own.claim is None
         assert live_pids(base) == {old.proc.pid, os.getpid()}

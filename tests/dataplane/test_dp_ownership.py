@@ -101,7 +101,7 @@ def test_a_stopping_owner_hands_over_and_stays_present(base: str, holder: Holder
     timer = threading.Timer(0.3, holder.do, ("release",))
     timer.start()
     t0 = time.monotonic()
-    own = Ownership.acquire(base, handover_wait=5.0)
+    own = Ownership.acquire(base, successor_wait=5.0)
     try:
         assert 0.2 < time.monotonic() - t0 < 3.0
         timer.join()
@@ -118,7 +118,7 @@ def test_a_stopping_owner_hands_over_and_stays_present(base: str, holder: Holder
 def test_a_killed_owner_frees_everything_at_once(base: str, holder: Holder) -> None:
     os.kill(holder.proc.pid, signal.SIGKILL)
     holder.proc.wait(timeout=5)
-    own = Ownership.acquire(base, handover_wait=0.0)
+    own = Ownership.acquire(base, successor_wait=0.0)
     try:
         assert live_pids(base) == {os.getpid()}
     finally:
