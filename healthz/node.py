@@ -44,7 +44,7 @@ from proxy.metrics import (
     REGISTRY,
 )
 from proxy.model import Node, Snapshot
-from proxy.state import ProxyHealth
+from proxy.state import Prepared, ProxyHealth
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class SyncMetrics:
         self._started = clock()
         self._triggers: dict[tuple[str, str], float] = {}
         self._plans = PlanCache()
-        self._prepared: tuple[Snapshot, dict[tuple[str, str], float], _Measure] | None = None
+        self._prepared: Prepared[tuple[dict[tuple[str, str], float], _Measure]] = Prepared()
         """``_measure`` of one snapshot against the trigger times then known, from ``prepare``."""
 
     def prepare(self, snapshot: Snapshot) -> None:
@@ -196,7 +196,7 @@ class SyncMetrics:
         loop that answers /healthz; ``sync`` of this snapshot only sets gauges.
         """
         last = self._triggers
-        self._prepared = (snapshot, last, self._measure(snapshot, last))
+        self._prepared.put(snapshot, (last, self._measure(snapshot, last)))
 
     def _measure(self, snapshot: Snapshot, last: dict[tuple[str, str], float]) -> _Measure:
         """What ``snapshot`` means for the gauges, given the trigger times seen ``last``."""
@@ -215,9 +215,9 @@ class SyncMetrics:
 
     def sync(self, snapshot: Snapshot) -> None:
         try:
-            prepared, self._prepared = self._prepared, None
-            if prepared is not None and prepared[0] is snapshot and prepared[1] is self._triggers:
-                measure = prepared[2]
+            prepared = self._prepared.take(snapshot)
+            if prepared is not None and prepared[0] is self._triggers:
+                measure = prepared[1]
             else:
                 measure = self._measure(snapshot, self._triggers)
             NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(measure.dropping)

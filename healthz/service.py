@@ -38,7 +38,7 @@ from healthz.http import (
 from proxy.endpoints import local_ready_counts
 from proxy.metrics import REGISTRY
 from proxy.model import Service, Snapshot
-from proxy.state import ProxyHealth
+from proxy.state import Prepared, ProxyHealth
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class ServiceHealthServer:
         self.retry_interval = retry_interval
         self._checks: dict[str, _HealthCheck] = {}
         self._snapshot: Snapshot | None = None
-        self._prepared: tuple[Snapshot, dict[str, Service], Mapping[str, int]] | None = None
+        self._prepared: Prepared[tuple[dict[str, Service], Mapping[str, int]]] = Prepared()
         """``_wanted`` of one snapshot, from ``prepare``."""
         self._retry: asyncio.TimerHandle | None = None
         self._closing: list[HttpListener] = []
@@ -236,7 +236,7 @@ class ServiceHealthServer:
         reads every service: 8 ms for 50,000, on the loop that answers
         /healthz, unless done here first.
         """
-        self._prepared = (snapshot, *self._wanted(snapshot))
+        self._prepared.put(snapshot, self._wanted(snapshot))
 
     def _wanted(self, snapshot: Snapshot) -> tuple[dict[str, Service], Mapping[str, int]]:
         """The services that need a health check, and their local ready endpoint counts."""
@@ -256,11 +256,7 @@ class ServiceHealthServer:
             log.exception("healthcheck sync of generation %d failed", snapshot.generation)
 
     def _reconcile(self, snapshot: Snapshot) -> None:
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[0] is snapshot:
-            _, wanted, counts = prepared
-        else:
-            wanted, counts = self._wanted(snapshot)
+        wanted, counts = self._prepared.take(snapshot) or self._wanted(snapshot)
         try:
             hosts = resolve_hosts(self.addresses, snapshot, self.node_name)
         except ValueError as exc:

@@ -64,6 +64,7 @@ from proxy.forwarder import (
 )
 from proxy.listener import AcceptSet, Listener
 from proxy.model import Snapshot
+from proxy.state import Prepared
 from proxy.transparent import RoutingConfig, TransparentRouting, transparent_capable
 
 log = logging.getLogger(__name__)
@@ -220,9 +221,9 @@ class Dataplane:
         self._plan_cache = PlanCache()
         self._plan_lock = threading.Lock()
         """``prepare`` (a worker thread) and ``apply`` (the loop) share the cache."""
-        self._prepared: (
-            tuple[Snapshot, dict[int, PortPlan], dict[ListenerKey, bool], _PortTable] | None
-        ) = None
+        self._prepared: Prepared[
+            tuple[dict[int, PortPlan], dict[ListenerKey, bool], _PortTable]
+        ] = Prepared()
         """What ``prepare`` built for one snapshot: its plans, wanted listeners and port table."""
         self._reconciling: Iterator[None] | None = None
         self._reconcile_handle: asyncio.Handle | None = None
@@ -292,7 +293,7 @@ class Dataplane:
             return
         plans = self._build_plans(snapshot)
         desired = self._desired_for(plans, _ipv4_of(snapshot, self.node_name))
-        self._prepared = (snapshot, plans, desired, self._port_table(plans))
+        self._prepared.put(snapshot, (plans, desired, self._port_table(plans)))
 
     def _build_plans(self, snapshot: Snapshot) -> dict[int, PortPlan]:
         with self._plan_lock:  # prepare (a worker thread) and apply share the cache
@@ -343,11 +344,11 @@ class Dataplane:
             if len(node_ips) != len(node.ips):
                 log.debug("node %s: non-IPv4 addresses ignored (IPv4 only)", self.node_name)
 
-        prepared, self._prepared = self._prepared, None
+        prepared = self._prepared.take(snapshot)
         desired: dict[ListenerKey, bool] | None = None
         table: _PortTable | None = None
-        if prepared is not None and prepared[0] is snapshot:
-            _, plans, desired, table = prepared
+        if prepared is not None:
+            plans, desired, table = prepared
         else:
             plans = self._build_plans(snapshot)
         self._swap_plans(plans, table)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from proxy.gcpause import gc_paused
 from proxy.model import Snapshot
@@ -27,6 +28,34 @@ from proxy.model import Snapshot
 log = logging.getLogger(__name__)
 
 Reader = Callable[[Snapshot], None]
+T = TypeVar("T")
+
+
+class Prepared(Generic[T]):
+    """What a reader's preparer computed for one snapshot, handed to that reader once.
+
+    ``put`` runs in the source's worker thread, ``take`` in the reader on the
+    loop. A take for any other snapshot (something else was published, or
+    nothing was prepared) gets None, and the reader computes it itself.
+    """
+
+    __slots__ = ("_item",)
+
+    def __init__(self) -> None:
+        self._item: tuple[Snapshot, T] | None = None
+
+    def put(self, snapshot: Snapshot, value: T) -> None:
+        self._item = (snapshot, value)
+
+    def take(self, snapshot: Snapshot) -> T | None:
+        value = self.peek(snapshot)
+        self._item = None
+        return value
+
+    def peek(self, snapshot: Snapshot) -> T | None:
+        """What ``take`` would give, left in place."""
+        item = self._item
+        return item[1] if item is not None and item[0] is snapshot else None
 
 
 class ProxyHealth:

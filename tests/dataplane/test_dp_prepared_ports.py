@@ -34,9 +34,9 @@ def swap(dp: Dataplane, snapshot: Snapshot, prepared: bool) -> None:
     """What ``apply`` does to the table, with or without ``prepare`` first."""
     if prepared:
         dp.prepare(snapshot)
-        assert dp._prepared is not None and dp._prepared[0] is snapshot
-        _, plans, _, table = dp._prepared
-        dp._prepared = None
+        prepared = dp._prepared.take(snapshot)
+        assert prepared is not None
+        plans, _, table = prepared
     else:
         plans, table = build_plans(snapshot, NODE, cache=dp._plan_cache), None
     dp._swap_plans(plans, table)
@@ -75,9 +75,9 @@ async def stale_prepared_table_is_made_again() -> None:
     try:
         one, two = state(4, "10.0.0.1", 1), state(4, "10.0.0.2", 2)
         dp.prepare(two)
-        assert dp._prepared is not None
-        _, plans, _, stale = dp._prepared
-        dp._prepared = None
+        prepared = dp._prepared.take(two)
+        assert prepared is not None
+        plans, _, stale = prepared
         swap(dp, one, prepared=False)  # the table in force changed since ``prepare``
         kept = {st.plan.key: st.balancer for st in dp.forwarder.ports.values()}
         dp._swap_plans(plans, stale)

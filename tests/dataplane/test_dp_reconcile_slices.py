@@ -41,10 +41,10 @@ async def slices_then_supersede() -> None:
     dp = Dataplane(NODE, loop=asyncio.get_running_loop())
     try:
         dp.prepare(first)  # as the source's worker thread does
-        prepared = dp._prepared
+        prepared = dp._prepared.peek(first)
         assert prepared is not None
         dp.apply(first)
-        assert all(dp.plans()[p] is plan for p, plan in prepared[1].items())
+        assert all(dp.plans()[p] is plan for p, plan in prepared[0].items())
         # apply returned after one slice; the loop runs something before the rest.
         assert dp.reconciling() and len(ports(dp)) <= RECONCILE_BATCH
         seen: list[int] = []
