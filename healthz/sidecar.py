@@ -9,7 +9,7 @@ Never: publish to the hub, touch ``ProxyHealth`` (the hub marks updates), or
 let a failing listener stop the others: kube-proxy keeps running when its
 healthz port is busy, and so does kpx.
 
-``kpx node`` runs a ``Sidecar`` in-process; ``kpx healthz`` (``healthz.cli``)
+``kpx node`` runs a ``Sidecar`` in-process; ``kpx healthz`` (``proxy.commands.healthz``)
 runs one alone against its own hub and state file.
 """
 
@@ -22,10 +22,10 @@ import logging
 from collections.abc import Sequence
 
 from healthz.http import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Handler, HttpListener
-from healthz.node import MetricsServer, NodeHealthServer, SyncMetrics
-from healthz.service import NodePortAddress, ServiceHealthServer
-from proxy.model import Snapshot
-from proxy.state import StateHub
+from healthz.proxy_health import MetricsServer, NodeHealthServer, SyncMetrics
+from healthz.service_health import NodePortAddress, ServiceHealthServer
+from proxy.core.model import Snapshot
+from proxy.sources.hub import StateHub
 
 log = logging.getLogger(__name__)
 

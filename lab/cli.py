@@ -109,14 +109,14 @@ def _attach(args: argparse.Namespace) -> Lab:
     return Lab.attach(_run_dir(args))
 
 
-PROXY_MODULES = ("proxy.node", "proxy.dataplane")
+PROXY_MODULES = ("proxy.commands.node", "proxy.userspace.dataplane")
 """What ``kpx node`` needs importable (CONTRACTS.md: node wires source, hub, dataplane)."""
 
 
 def proxies_available() -> tuple[bool, str]:
     """Whether ``kpx node`` can start here, checked in a child so nothing leaks into us.
 
-    ``proxy.node`` imports the dataplane lazily, so importing it alone proves
+    ``proxy.commands.node`` imports the dataplane lazily, so importing it alone proves
     little; the dataplane module is what is still missing while it is written.
     """
     code = "; ".join(f"import {m}" for m in PROXY_MODULES)

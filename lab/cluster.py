@@ -673,7 +673,7 @@ class Lab:
 
         SIGTERM to the old process and the new one started at once: the old
         one keeps accepting while the new one takes its listening sockets and
-        then the namespace over (``proxy.ownership``), then drains. Nothing
+        then the namespace over (``proxy.lifecycle.ownership``), then drains. Nothing
         here waits for the new one to be ready; the old one stays recorded
         (``down`` still kills it if it is still draining) until it exits.
         """

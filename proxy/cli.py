@@ -14,9 +14,9 @@ import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "node": ("proxy.node", "run the NodePort dataplane (and healthz) on this node"),
-    "check": ("proxy.check", "validate a state file and print every problem"),
-    "healthz": ("healthz.cli", "run the healthz sidecar alone"),
+    "node": ("proxy.commands.node", "run the NodePort dataplane (and healthz) on this node"),
+    "check": ("proxy.commands.check", "validate a state file and print every problem"),
+    "healthz": ("proxy.commands.healthz", "run the healthz sidecar alone"),
     "lab": ("lab.cli", "build and drive a multi-node network-namespace lab"),
     "demo": ("lab.demos", "narrated demos: local-drop, healthcheck, source-ip"),
     "bench": ("bench.cli", "benchmark kpx against the kernel, HAProxy and naive Python"),

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import uvloop
 
-from proxy.dataplane import Dataplane
 from proxy.k8s import StateError, parse_state
+from proxy.userspace.dataplane import Dataplane
 
 
 def in_test_netns() -> bool:

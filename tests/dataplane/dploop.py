@@ -16,9 +16,9 @@ from typing import Any
 import uvloop
 from dpkit import state_yaml
 
-from proxy.dataplane import Dataplane
+from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
-from proxy.model import Snapshot
+from proxy.userspace.dataplane import Dataplane
 
 NODE = "n1"
 NODE_IP = "127.0.0.2"

@@ -21,7 +21,7 @@ from dpkit import endpoint_slice, node, service
 from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
 from proxy import metrics
-from proxy.forwarder import LINKED, SWEEP_MAX_INTERVAL, Forwarder
+from proxy.userspace.forwarder import LINKED, SWEEP_MAX_INTERVAL, Forwarder
 
 KEY = "default/web"
 SLACK = 2.0

@@ -19,10 +19,10 @@ import pytest
 from dpkit import endpoint_slice, node, service
 from dploop import NODE, NODE_IP, free_port, run_on, snap
 
-from proxy import forwarder
-from proxy.dataplane import Dataplane
-from proxy.forwarder import Forwarder
 from proxy.metrics import REGISTRY
+from proxy.userspace import forwarder
+from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.forwarder import Forwarder
 
 KEY = "default/web"
 
@@ -75,7 +75,7 @@ def test_connect_timeout_moves_on_to_the_next_endpoint(
 ) -> None:
     good = backends("127.0.0.9", stuck_port, name="good")
     np_ = free_port()
-    caplog.set_level(logging.WARNING, logger="proxy.forwarder")
+    caplog.set_level(logging.WARNING, logger="proxy.userspace.forwarder")
 
     async def scenario() -> None:
         dp = Dataplane(NODE, loop=asyncio.get_running_loop(), connect_timeout=0.3)

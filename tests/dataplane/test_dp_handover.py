@@ -24,16 +24,16 @@ from dpkit import wait_for
 from dploop import NODE, NODE_IP, free_port, run_on, snap
 from test_dp_listener import peer_name, web
 
-from proxy import synfilter
-from proxy.dataplane import Dataplane
-from proxy.ownership import Ownership, OwnershipError, live_pids, owner_pid
+from proxy.lifecycle.ownership import Ownership, OwnershipError, live_pids, owner_pid
+from proxy.userspace import synfilter
+from proxy.userspace.dataplane import Dataplane
 
 ROOT = Path(__file__).resolve().parents[2]
 _n = itertools.count()
 
 OLD = """
 import asyncio, socket, sys
-from proxy.ownership import Ownership
+from proxy.lifecycle.ownership import Ownership
 base, count, window, ready = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
 own = Ownership.acquire(base)
 socks = []

@@ -25,9 +25,9 @@ from dpkit import (
 )
 from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
-from proxy.dataplane import Dataplane, listen_addresses
 from proxy.k8s import StateParser
-from proxy.listener import Listener
+from proxy.userspace.dataplane import Dataplane, listen_addresses
+from proxy.userspace.listener import Listener
 
 
 def web(node_port: int, port: int, *, ready: bool = True, etp: str = "Cluster",
@@ -135,7 +135,7 @@ def test_nodeport_addresses_restrict_listeners(backends) -> None:
 def test_unassigned_node_ip_is_logged_once_and_retried(backends, caplog) -> None:
     be = backends()
     np_ = free_port()
-    caplog.set_level(logging.INFO, logger="proxy.dataplane")
+    caplog.set_level(logging.INFO, logger="proxy.userspace.dataplane")
     absent = "192.0.2.77"  # TEST-NET-1: never assigned here; bind() fails, nothing is sent
 
     async def scenario() -> None:
@@ -337,7 +337,7 @@ def test_emfile_backs_off_without_spinning_then_recovers(tmp_path: Path, backend
 def test_accept_set_serves_many_listeners_and_forgets_closed_ones(loop_kind: str) -> None:
     """One epoll set for every listener: each accepts its own clients; a closed one
     leaves the set, and the others keep accepting."""
-    from proxy.listener import AcceptSet
+    from proxy.userspace.listener import AcceptSet
 
     got: dict[int, int] = {}
 

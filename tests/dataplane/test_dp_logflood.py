@@ -3,7 +3,7 @@
 Before rate limiting, each connection to a service whose two endpoints
 refuse wrote three warning lines (two failed connects, one reset): one
 client with 50 connections wrote 25-30 MB in 10 s. The log here is what a
-file handler on ``proxy.forwarder`` receives, counted in lines and bytes.
+file handler on ``proxy.userspace.forwarder`` receives, counted in lines and bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from dpkit import endpoint_slice, node, service
 from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
-from proxy import forwarder
+from proxy.userspace import forwarder
 
 CONNECTIONS = 300
 SUMMARY = re.compile(r" … and ([\d,]+) more like this in the last [\d.]+ s$")
@@ -32,7 +32,7 @@ def log_file() -> Iterator[io.StringIO]:
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    lg = logging.getLogger("proxy.forwarder")
+    lg = logging.getLogger("proxy.userspace.forwarder")
     old_level = lg.level
     lg.addHandler(handler)
     lg.setLevel(logging.WARNING)

@@ -1,4 +1,4 @@
-"""proxy.ownership: one kpx node per namespace, a handover on SIGTERM, presence until exit.
+"""Ownership: one kpx node per namespace, a handover on SIGTERM, presence until exit.
 
 The names are abstract UNIX sockets; each test uses its own base name, so it
 never meets a real kpx (nor another test run) and touches no routing. The
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from proxy.ownership import Ownership, OwnershipError, live_pids, owner_pid, routing_lock
+from proxy.lifecycle.ownership import Ownership, OwnershipError, live_pids, owner_pid, routing_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 _n = itertools.count()
 
 HOLDER = """
 import sys
-from proxy.ownership import Ownership
+from proxy.lifecycle.ownership import Ownership
 own = Ownership.acquire(sys.argv[1])
 print("ready", flush=True)
 for line in sys.stdin:

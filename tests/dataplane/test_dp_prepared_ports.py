@@ -15,10 +15,10 @@ import asyncio
 from dploop import run_on
 
 from bench import k8s_state
-from proxy.dataplane import Dataplane
-from proxy.decision import build_plans
+from proxy.core.decision import build_plans
+from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
-from proxy.model import Snapshot
+from proxy.userspace.dataplane import Dataplane
 
 NODE = "n1"
 

@@ -16,9 +16,9 @@ from dpkit import in_netns, prefix
 from dploop import run_on
 
 from bench import k8s_state
-from proxy.dataplane import RECONCILE_BATCH, Dataplane
+from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
-from proxy.model import Snapshot
+from proxy.userspace.dataplane import RECONCILE_BATCH, Dataplane
 
 NODE = "n1"
 FIRST = 20000

@@ -22,8 +22,8 @@ from dpkit import endpoint_slice, node, service
 from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
 from proxy import metrics
-from proxy.dataplane import Dataplane
-from proxy.forwarder import READ_SIZE
+from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.forwarder import READ_SIZE
 
 MiB = 1024 * 1024
 
@@ -219,7 +219,7 @@ def test_refused_endpoint_retried_on_another(loop_kind: str, backends, caplog) -
     port = free_port("127.0.0.9")
     be = backends("127.0.0.9", port, name="good")
     np_ = free_port()
-    caplog.set_level(logging.WARNING, logger="proxy.forwarder")
+    caplog.set_level(logging.WARNING, logger="proxy.userspace.forwarder")
     key = "default/web"
     failures0 = counter(metrics.UPSTREAM_CONNECT_FAILURES, key)
 

@@ -11,8 +11,8 @@ import struct
 
 import pytest
 
-from proxy import synfilter
-from proxy.synfilter import run_program, syn_drop_program
+from proxy.userspace import synfilter
+from proxy.userspace.synfilter import run_program, syn_drop_program
 
 SYN, ACK, RST, FIN, PSH = 0x02, 0x10, 0x04, 0x01, 0x08
 
@@ -100,7 +100,7 @@ def test_cluster_cidr_sources_pass_the_drop_filter() -> None:
     """With --cluster-cidr, pod SYNs get Cluster semantics, so they must not be dropped."""
     import ipaddress
 
-    from proxy.synfilter import TCP_SYN, run_program, syn_drop_program
+    from proxy.userspace.synfilter import TCP_SYN, run_program, syn_drop_program
 
     prog = syn_drop_program(["10.77.0.12"], [ipaddress.ip_network("10.244.0.0/16")])
     assert run_program(prog, "10.244.3.7", TCP_SYN)       # a pod on any node

@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from proxy.transparent import (
+from proxy.userspace.transparent import (
     IP_TRANSPARENT,
     RoutingConfig,
     TransparentRouting,

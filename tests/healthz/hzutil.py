@@ -1,6 +1,6 @@
 """Helpers for the healthz tests: snapshots built by hand, raw HTTP, port checks.
 
-Snapshots come straight from ``proxy.model`` so these tests never depend on
+Snapshots come straight from ``proxy.core.model`` so these tests never depend on
 the YAML parser. HTTP is spoken over raw sockets where the exact bytes matter.
 Waiting is always "until a condition holds, or fail at a deadline", never a
 bare sleep.
@@ -14,7 +14,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Iterable
 
-from proxy.model import (
+from proxy.core.model import (
     Endpoint,
     EndpointPort,
     EndpointSlice,

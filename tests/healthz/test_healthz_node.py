@@ -21,11 +21,11 @@ from hzutil import (
     split_response,
 )
 
-from healthz.node import MetricsServer, NodeHealthServer, SyncMetrics, rfc3339nano
+from healthz.proxy_health import MetricsServer, NodeHealthServer, SyncMetrics, rfc3339nano
 from healthz.sidecar import Sidecar, parse_bind_address
+from proxy.core.model import Node
 from proxy.metrics import REGISTRY
-from proxy.model import Node
-from proxy.state import ProxyHealth, StateHub
+from proxy.sources.hub import ProxyHealth, StateHub
 
 T0 = 1_800_000_000.25  # 2027-01-15T08:00:00.25Z
 

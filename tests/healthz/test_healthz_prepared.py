@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from hzutil import FakeClock, ep, eps_slice, free_port, lb_service, snap
 
-from healthz.node import SyncMetrics
-from healthz.service import ServiceHealthServer
+from healthz.proxy_health import SyncMetrics
+from healthz.service_health import ServiceHealthServer
 from proxy.metrics import REGISTRY
-from proxy.state import ProxyHealth
+from proxy.sources.hub import ProxyHealth
 
 T0 = 1_800_000_000.0
 COUNT = "kubeproxy_network_programming_duration_seconds_count"

@@ -15,12 +15,12 @@ import threading
 
 from hzutil import ep, eps_slice, free_port, get, http_raw, lb_service, snap, split_response
 
-from healthz.node import NodeHealthServer
-from healthz.service import ServiceHealthServer
+from healthz.proxy_health import NodeHealthServer
+from healthz.service_health import ServiceHealthServer
+from proxy.core.model import Node
 from proxy.metrics import REGISTRY
-from proxy.model import Node
-from proxy.state import ProxyHealth
-from proxy.transparent import ReturnPathGuard, TransparentRouting
+from proxy.sources.hub import ProxyHealth
+from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
 
 
 def sample(name: str, **labels: str) -> float:
@@ -119,6 +119,6 @@ async def test_guard_runs_every_period_and_starts_no_thread() -> None:
     assert health.healthy()
     # The check awaits the loop's own subprocesses (ensure_async): a thread would
     # switch the process to glibc's multi-threaded paths for good
-    # (proxy.source.INLINE_MAX_BYTES), so none is started, not even an executor's.
+    # (proxy.sources.statefile.INLINE_MAX_BYTES), so none is started, not even an executor's.
     assert threading.active_count() == threads
     assert routing.threads == {threading.current_thread().name}

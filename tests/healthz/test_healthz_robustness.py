@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import pytest
 from hzutil import ep, eps_slice, eventually, free_port, get, http_raw, lb_service, snap
 
-from healthz.service import ServiceHealthServer, render_body
+from healthz.service_health import ServiceHealthServer, render_body
 from proxy.metrics import REGISTRY
-from proxy.state import ProxyHealth
+from proxy.sources.hub import ProxyHealth
 
 BODY = render_body("default", "python-lb", 1, True)
 

@@ -29,9 +29,9 @@ from hzutil import (
     split_response,
 )
 
-from healthz.service import ServiceHealthServer, go_quote, render_body, resolve_hosts
-from proxy.model import EndpointPort, Node, ServicePort
-from proxy.state import ProxyHealth
+from healthz.service_health import ServiceHealthServer, go_quote, render_body, resolve_hosts
+from proxy.core.model import EndpointPort, Node, ServicePort
+from proxy.sources.hub import ProxyHealth
 
 EXAMPLE = (
     b'{\n\t"service": {\n\t\t"namespace": "default",\n\t\t"name": "python-lb"\n\t},'
@@ -326,7 +326,7 @@ async def test_port_in_use_is_logged_retried_and_blocks_no_one(
     a, b = lb_service("svc-a", taken), lb_service("svc-b", free)
     state = snap([a, b], [eps_slice(b, [ep("10.1.0.1", "node-a")])])
     try:
-        with caplog.at_level(logging.ERROR, logger="healthz.service"):
+        with caplog.at_level(logging.ERROR, logger="healthz.service_health"):
             hc.sync(state)
         assert await fetch(free) == expected(1, name="svc-b")
         assert "default/svc-a" in hc.failed()
@@ -336,7 +336,7 @@ async def test_port_in_use_is_logged_retried_and_blocks_no_one(
 
         # A second sync with the port still taken logs nothing new at ERROR.
         caplog.clear()
-        with caplog.at_level(logging.ERROR, logger="healthz.service"):
+        with caplog.at_level(logging.ERROR, logger="healthz.service_health"):
             hc.sync(state)
         assert caplog.records == []
 

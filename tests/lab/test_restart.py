@@ -310,7 +310,7 @@ def test_return_path_deleted_outside_kpx_is_restored(
     assert lab.http_get(NODE, lab.node_ip(NODE), lab.healthz_port, "/healthz")[0] == 200
     # Checked and repaired every second, with a small state: still one thread.
     # A thread (an executor's, the loader's) would switch the process to glibc's
-    # multi-threaded syscall paths for good (proxy.source.INLINE_MAX_BYTES).
+    # multi-threaded syscall paths for good (proxy.sources.statefile.INLINE_MAX_BYTES).
     pid = lab.proxy_pid(NODE)
     assert pid is not None
     assert os.listdir(f"/proc/{pid}/task") == [str(pid)]

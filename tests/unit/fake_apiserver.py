@@ -1,7 +1,7 @@
 """A fake Kubernetes API server for the API source's tests, on 127.0.0.1 only.
 
 Owns: just enough of the API server's list and watch protocol for Nodes,
-Services and EndpointSlices to drive ``proxy.kubeapi`` through every path
+Services and EndpointSlices to drive ``proxy.sources.kubeapi`` through every path
 it has: paginated lists, streaming watches (one JSON event per line),
 resourceVersions, label and field selectors, compaction (410 Gone, as an
 ERROR event or as an HTTP status), BOOKMARKs, ERROR events, injected HTTP

@@ -1,11 +1,11 @@
-"""proxy.balancer: round-robin spread and kube-proxy's ClientIP affinity, with injected time."""
+"""proxy.core.balancer: round-robin spread and ClientIP affinity, with injected time."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from proxy.balancer import Balancer
-from proxy.endpoints import EndpointInfo
+from proxy.core.balancer import Balancer
+from proxy.core.endpoints import EndpointInfo
 
 EPS = tuple(EndpointInfo(f"10.244.0.{i}", 8080, "node-a", True) for i in range(1, 4))
 TIMEOUT = 125.0  # the e2e SessionAffinityTimeout

@@ -1,4 +1,4 @@
-"""proxy.decision: every rule of the module docstring, asserted on the decision data."""
+"""proxy.core.decision: every rule of the module docstring, asserted on the decision data."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import ipaddress
 
 import pytest
 
-from proxy.balancer import Balancer
-from proxy.decision import (
+from proxy.core.balancer import Balancer
+from proxy.core.decision import (
     Drop,
     Forward,
     PortPlan,
@@ -16,7 +16,7 @@ from proxy.decision import (
     decide,
     decide_in_snapshot,
 )
-from proxy.model import (
+from proxy.core.model import (
     Endpoint,
     EndpointPort,
     EndpointSlice,

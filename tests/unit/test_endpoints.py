@@ -1,4 +1,4 @@
-"""proxy.endpoints: kube-proxy's CategorizeEndpoints, slice merging and the health-check count.
+"""proxy.core.endpoints: kube-proxy's CategorizeEndpoints, slice merging and the health-check count.
 
 The categorization table follows ``pkg/proxy/topology_test.go``
 (TestCategorizeEndpoints), minus topology hints and internalTrafficPolicy,
@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from proxy.endpoints import (
+from proxy.core.endpoints import (
     EndpointInfo,
     categorize_endpoints,
     local_ready_counts,
     service_port_endpoints,
 )
-from proxy.model import (
+from proxy.core.model import (
     Endpoint,
     EndpointPort,
     EndpointSlice,

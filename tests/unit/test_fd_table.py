@@ -23,7 +23,7 @@ def test_the_table_reaches_the_limit_and_later_opens_do_not_grow_it() -> None:
         """
         import os, re, resource
         from pathlib import Path
-        from proxy.node import presize_fd_table
+        from proxy.commands.node import presize_fd_table
         def size():
             return int(re.search(r"^FDSize:\\s+(\\d+)", Path("/proc/self/status").read_text(),
                                  re.M).group(1))
@@ -46,7 +46,7 @@ def test_the_table_reaches_the_limit_and_later_opens_do_not_grow_it() -> None:
 
 
 def test_an_fd_already_at_the_top_is_never_clobbered(tmp_path: Path) -> None:
-    from proxy.node import presize_fd_table
+    from proxy.commands.node import presize_fd_table
 
     assert _fd_size() > 0
     marker = tmp_path / "marker"

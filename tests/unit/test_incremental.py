@@ -24,11 +24,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy import k8s
-from proxy.decision import PlanCache, build_plans
+from proxy.core.decision import PlanCache, build_plans
+from proxy.core.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort, Snapshot
 from proxy.k8s import StateError, StateParser, parse_state
-from proxy.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort, Snapshot
-from proxy.source import StateFileSource
-from proxy.state import StateHub
+from proxy.sources.hub import StateHub
+from proxy.sources.statefile import StateFileSource
 
 Outcome = Snapshot | list[str]
 
@@ -634,7 +634,7 @@ def test_state_file_source_reuses_objects_and_refuses_bad_files(
     assert source.parser.last.subset == 1
 
     path.write_text(stream(docs) + "---\nkind: Service\nmetadata: {}\n")
-    with caplog.at_level(logging.ERROR, logger="proxy.source"):
+    with caplog.at_level(logging.ERROR, logger="proxy.sources.statefile"):
         assert not source.load()
         assert not source.load()
     assert hub.snapshot is second

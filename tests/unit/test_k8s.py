@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.core.model import Endpoint, EndpointPort, Snapshot
 from proxy.k8s import StateError, parse_file, parse_objects, parse_state
-from proxy.model import Endpoint, EndpointPort, Snapshot
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KUBECTL_LIST = FIXTURES / "kubectl_list.yaml"

@@ -28,7 +28,9 @@ import yaml
 from fake_apiserver import FakeAPIServer
 
 from proxy import metrics
-from proxy.kubeapi import (
+from proxy.core.model import Snapshot
+from proxy.sources.hub import StateHub
+from proxy.sources.kubeapi import (
     PROXY_LABEL_SELECTOR,
     APIError,
     KubeAPISource,
@@ -36,8 +38,6 @@ from proxy.kubeapi import (
     KubeConfigError,
     _Backoff,
 )
-from proxy.model import Snapshot
-from proxy.state import StateHub
 
 NODE = "node-a"
 FAST: dict[str, Any] = {"min_sync_period": 0.005, "backoff_initial": 0.005, "backoff_max": 0.02}
@@ -336,7 +336,7 @@ async def test_dropped_watch_resumes_without_relisting(
     seen_rv = api.put(endpoint_slice("web", "10.0.0.1", "10.0.0.2"))
     await eventually(lambda: addresses(run.last, "default/web") == ["10.0.0.1", "10.0.0.2"])
 
-    with caplog.at_level(logging.WARNING, logger="proxy.kubeapi"):
+    with caplog.at_level(logging.WARNING, logger="proxy.sources.kubeapi"):
         api.drop_watches("EndpointSlice")
         await eventually(lambda: len(api.of("EndpointSlice", watch=True)) == 2)
     api.put(endpoint_slice("web", "10.0.0.3"))
@@ -376,7 +376,7 @@ async def test_api_errors_back_off_and_no_state_until_all_listed(
 ) -> None:
     api.fail("EndpointSlice", False, 500, 503, 429, 403)
     api.fail("Service", True, 500)
-    with caplog.at_level(logging.WARNING, logger="proxy.kubeapi"):
+    with caplog.at_level(logging.WARNING, logger="proxy.sources.kubeapi"):
         run = await start(backoff_initial=0.01)
         await eventually(lambda: len(api.of("EndpointSlice", watch=False)) >= 3)
         assert run.seen == [], "no state while the slices are not listed"
@@ -449,7 +449,7 @@ async def test_malformed_object_keeps_the_last_good_state(
     run = await start()
     good = await run.published(1)
     errors = metrics.REGISTRY.get_sample_value("kubeproxy_kpx_state_reload_errors_total") or 0
-    with caplog.at_level(logging.ERROR, logger="proxy.kubeapi"):
+    with caplog.at_level(logging.ERROR, logger="proxy.sources.kubeapi"):
         api.put(service("web", 70000))
         await eventually(lambda: any("refused" in r.getMessage() for r in caplog.records))
         api.put(service("api", 30081))  # Another batch: still refused, logged once.

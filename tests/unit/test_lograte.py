@@ -1,4 +1,4 @@
-"""proxy.lograte: the first of each (cause, service) in full, the rest summarised.
+"""proxy.util.lograte: the first of each (cause, service) in full, the rest summarised.
 
 A fake clock drives the windows, so every case is exact and instant.
 """
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from proxy.lograte import OVERFLOW, RateLimitedLog, one_line
+from proxy.util.lograte import OVERFLOW, RateLimitedLog, one_line
 
 
 class Clock:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-import proxy.dataplane
-from proxy import node
+import proxy.userspace.dataplane
+from proxy.commands import node
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def test_serve_passes_both_to_the_dataplane(
         seen.update(kwargs)
         raise _Built
 
-    monkeypatch.setattr(proxy.dataplane, "Dataplane", fake_dataplane)
+    monkeypatch.setattr(proxy.userspace.dataplane, "Dataplane", fake_dataplane)
     args = parse("--state", str(tmp_path / "state.yaml"), "--no-healthz",
                  "--conntrack-tcp-timeout-established", "90s",
                  "--conntrack-tcp-timeout-close-wait", "0")

@@ -15,11 +15,11 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.balancer import Balancer
-from proxy.decision import Drop, Forward, PortPlan, Reject, build_plans, decide
-from proxy.endpoints import EndpointInfo, service_port_endpoints
+from proxy.core.balancer import Balancer
+from proxy.core.decision import Drop, Forward, PortPlan, Reject, build_plans, decide
+from proxy.core.endpoints import EndpointInfo, service_port_endpoints
+from proxy.core.model import Snapshot
 from proxy.k8s import parse_objects
-from proxy.model import Snapshot
 
 HERE = "node-a"
 NODE_IPS = frozenset({"192.168.49.2"})

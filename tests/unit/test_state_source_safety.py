@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from bench import k8s_state
-from proxy import source as source_mod
-from proxy.model import Snapshot
-from proxy.source import StateFileSource, StateReadError, read_state
-from proxy.state import StateHub
+from proxy.core.model import Snapshot
+from proxy.sources import statefile as source_mod
+from proxy.sources.hub import StateHub
+from proxy.sources.statefile import StateFileSource, StateReadError, read_state
 
 EPS = (k8s_state.Ep("10.0.0.1", "n1"), k8s_state.Ep("10.0.0.2", "n2"))
 
@@ -117,7 +117,7 @@ async def test_fifo_at_the_state_path_never_blocks_the_loop(
     # The old source blocked in open() for good; this writer unblocks such a
     # reader after 3 s, so a regression fails on the lag instead of hanging.
     rescue = threading.Timer(3.0, lambda: os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK)))
-    with caplog.at_level(logging.ERROR, logger="proxy.source"), Ticker() as ticker:
+    with caplog.at_level(logging.ERROR, logger="proxy.sources.statefile"), Ticker() as ticker:
         task = asyncio.create_task(src.run())
         await until(lambda: rec.services() == [3], 5, "the first state")
         os.rename(fifo, path)
@@ -147,8 +147,8 @@ def test_dev_zero_and_other_non_files_are_refused_unread(tmp_path: Path) -> None
     child = (
         "import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))\n"
-        "from proxy.source import StateFileSource\n"
-        "from proxy.state import StateHub\n"
+        "from proxy.sources.statefile import StateFileSource\n"
+        "from proxy.sources.hub import StateHub\n"
         "hub = StateHub()\n"
         "ok = StateFileSource(sys.argv[1], hub).load()\n"
         "print('loaded' if ok else 'refused', hub.snapshot)\n"
@@ -173,7 +173,7 @@ async def test_oversized_file_is_refused_by_size_naming_the_flag(
     src = StateFileSource(path, hub, max_bytes=len(small) + 100)
     assert src.load()
     path.write_text(state(20))
-    with caplog.at_level(logging.ERROR, logger="proxy.source"):
+    with caplog.at_level(logging.ERROR, logger="proxy.sources.statefile"):
         assert not src.load()
         assert not src.load()
     assert rec.services() == [2]

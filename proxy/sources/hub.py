@@ -5,7 +5,7 @@ snapshot to its readers (the dataplane, the healthz sidecar), plus
 ``ProxyHealth``, kube-proxy's ``QueuedUpdate``/``Updated`` bookkeeping that
 ``/healthz`` and ``serviceProxyHealthy`` report.
 
-Never: parse files or open sockets. Sources (``proxy.source``) call
+Never: parse files or open sockets. Sources (``proxy.sources.statefile``) call
 ``publish``; readers ``subscribe``.
 
 Health follows ``pkg/proxy/healthcheck/proxy_health.go``: a snapshot that has
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from proxy.gcpause import gc_paused
-from proxy.model import Snapshot
+from proxy.core.model import Snapshot
+from proxy.util.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class StateHub:
         self.health.queued()
         ok = True
         # Applying a big state allocates as much as parsing it (plans,
-        # balancers, listeners): the same GC pause holds (proxy.gcpause).
+        # balancers, listeners): the same GC pause holds (proxy.util.gcpause).
         with gc_paused():
             for reader in list(self._readers):
                 ok &= self._deliver(reader, snapshot)

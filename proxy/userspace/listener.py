@@ -52,7 +52,7 @@ import select
 import socket
 from collections.abc import Callable
 
-from proxy import synfilter
+from proxy.userspace import synfilter
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Listener:
         through in between.
 
         ``adopt``: a socket already listening on this address and port,
-        passed on by the kpx node this one takes over from (``proxy.handover``):
+        passed on by the kpx node this one takes over from (``proxy.lifecycle.handover``):
         its accept queue carries on. Its filter is set to ``program`` or
         removed, whatever the old process had on it; on any OSError the
         caller still owns ``adopt``.

@@ -35,7 +35,8 @@ from aiohttp.web_request import BaseRequest
 from prometheus_client.exposition import choose_encoder
 
 from healthz.http import GoResponse, go_not_found, go_response
-from proxy.decision import PlanCache, build_plans
+from proxy.core.decision import PlanCache, build_plans
+from proxy.core.model import Node, Snapshot
 from proxy.metrics import (
     HEALTHZ_TOTAL,
     LIVEZ_TOTAL,
@@ -43,8 +44,7 @@ from proxy.metrics import (
     NO_LOCAL_ENDPOINTS,
     REGISTRY,
 )
-from proxy.model import Node, Snapshot
-from proxy.state import Prepared, ProxyHealth
+from proxy.sources.hub import Prepared, ProxyHealth
 
 log = logging.getLogger(__name__)
 

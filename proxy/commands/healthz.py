@@ -23,16 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from proxy.node import add_node_flags
+    from proxy.commands.node import add_node_flags
 
     add_node_flags(parser)
 
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT, then close every port and return 0."""
-    from proxy.kubeapi import KubeConfigError
-    from proxy.node import make_source, start_source
-    from proxy.state import ProxyHealth, StateHub
+    from proxy.commands.node import make_source, start_source
+    from proxy.sources.hub import ProxyHealth, StateHub
+    from proxy.sources.kubeapi import KubeConfigError
 
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
@@ -69,6 +69,6 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.node import run_on_uvloop
+    from proxy.commands.node import run_on_uvloop
 
     return run_on_uvloop(serve(args))

@@ -35,10 +35,10 @@ from healthz.http import (
     HttpListener,
     go_response,
 )
-from proxy.endpoints import local_ready_counts
+from proxy.core.endpoints import local_ready_counts
+from proxy.core.model import Service, Snapshot
 from proxy.metrics import REGISTRY
-from proxy.model import Service, Snapshot
-from proxy.state import Prepared, ProxyHealth
+from proxy.sources.hub import Prepared, ProxyHealth
 
 log = logging.getLogger(__name__)
 

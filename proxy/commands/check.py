@@ -4,7 +4,7 @@ Owns: the ``check`` command, its flags and its exit codes (0 good, 1 refused,
 2 missing).
 
 Never: read the file any other way than ``kpx node`` does. It goes through
-``proxy.source.read_state`` (regular files only, ``--state-max-bytes``) and
+``proxy.sources.statefile.read_state`` (regular files only, ``--state-max-bytes``) and
 ``proxy.k8s.decode_state``, so ``kpx check`` accepts exactly what the source
 would publish: a FIFO or ``/dev/zero`` at the path is refused here too,
 instead of hanging or filling memory.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from proxy.k8s import StateError, decode_state, parse_state
-from proxy.source import DEFAULT_MAX_BYTES, StateReadError, StateUnstable, read_state
+from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateReadError, StateUnstable, read_state
 
 
 def add_max_bytes_flag(parser: argparse.ArgumentParser) -> None:

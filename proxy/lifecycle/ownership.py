@@ -17,7 +17,7 @@ SIGKILL alike), so no lock file can go stale and no two namespaces collide:
   stop, so a successor started "at once" takes over instead of failing as a
   mistaken second instance would. A single-process owner listens on it
   (``offer``): one successor connects, receives every NodePort listening
-  socket (``proxy.handover``: fd passing), accepts on them once it has
+  socket (``proxy.lifecycle.handover``: fd passing), accepts on them once it has
   applied its first state, says so, and then receives the owner socket
   itself, so the owner name is never free in between and the listeners never
   stop listening. Meanwhile the old owner keeps accepting; it answers any
@@ -54,7 +54,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
-from proxy.handover import (
+from proxy.lifecycle.handover import (
     BUSY,
     END,
     FREE,

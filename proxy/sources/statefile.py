@@ -35,7 +35,7 @@ Without inotify, a change is read once ``stat`` has been unchanged for
 (device, inode, size, mtime, ctime), or it is read again.
 
 Off the loop: reading and parsing a 50,000-service state takes seconds. They
-run in a worker thread (as ``proxy.kubeapi`` builds its snapshots); only
+run in a worker thread (as ``proxy.sources.kubeapi`` builds its snapshots); only
 ``hub.publish`` runs on the loop. One load at a time, so the ``StateParser``
 is used by one thread at a time.
 
@@ -67,10 +67,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proxy import metrics
-from proxy.gcpause import gc_paused
+from proxy.core.model import Snapshot
 from proxy.k8s import StateError, StateParser, decode_state
-from proxy.model import Snapshot
-from proxy.state import StateHub
+from proxy.sources.hub import StateHub
+from proxy.util.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class StateFileSource:
         and the first full collection that follows (triggered by any
         allocation, in any thread) walks them all in 0.7 s *holding the GIL*:
         the loop stalls as if it parsed itself. Frozen objects are never
-        walked. A state is acyclic (``proxy.gcpause``), so reference counting
+        walked. A state is acyclic (``proxy.util.gcpause``), so reference counting
         still frees it when it is replaced; the cost is that garbage *cycles*
         alive at this instant wait for the next unfreeze (``gc_paused`` does
         one after each big build) instead of the next full collection.

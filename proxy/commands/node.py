@@ -11,13 +11,13 @@ Signals: SIGTERM stops accepting, lets established connections drain up to
 ``--shutdown-grace``, then exits 0. SIGINT (Ctrl-C) does the same without
 waiting for a successor. SIGHUP re-reads the state file.
 
-One instance per network namespace (``proxy.ownership``): a second one exits
+One instance per network namespace (``proxy.lifecycle.ownership``): a second one exits
 at once. A restart is SIGTERM to the old one and a new ``kpx node`` started
 at once, and it refuses no connection: on SIGTERM the old one keeps
 accepting for up to ``--handover-wait`` (default 2s, at most
 ``--shutdown-grace``) while it waits for a successor to ask for its NodePort
 listeners. One that asks receives the listening sockets themselves
-(``proxy.handover``), applies its first state, accepts on them and says
+(``proxy.lifecycle.handover``), applies its first state, accepts on them and says
 so; only then does the old one stop accepting, close its health ports and
 pass the owner name; it drains meanwhile (it waits at most
 ``--shutdown-grace`` for that "serving", then hands over anyway: the
@@ -46,14 +46,14 @@ from pathlib import Path
 from typing import Any
 
 from proxy import metrics
-from proxy.check import add_max_bytes_flag
-from proxy.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
-from proxy.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
-from proxy.model import Snapshot
-from proxy.ownership import Ownership, OwnershipError, Successor
-from proxy.source import DEFAULT_MAX_BYTES, StateFileSource
-from proxy.state import ProxyHealth, StateHub
-from proxy.transparent import ReturnPathGuard, TransparentRouting
+from proxy.commands.check import add_max_bytes_flag
+from proxy.core.model import Snapshot
+from proxy.lifecycle.ownership import Ownership, OwnershipError, Successor
+from proxy.sources.hub import ProxyHealth, StateHub
+from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
+from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateFileSource
+from proxy.userspace.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
+from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ def timed_reader(reader: Callable[[Snapshot], None]) -> Callable[[Snapshot], Non
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from proxy.dataplane import Dataplane
+    from proxy.userspace.dataplane import Dataplane
 
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
@@ -445,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
     The claim comes before any port or routing is touched: a second
     ``kpx node`` here exits at once (status 1) naming the one that serves,
     instead of retrying its ports forever and deleting the routing the other
-    one needs when it exits (``proxy.ownership``). When the one that serves
+    one needs when it exits (``proxy.lifecycle.ownership``). When the one that serves
     is stopping (SIGTERM), this one takes over from it instead: it receives
     its listening sockets here and ``serve`` adopts them.
     """
@@ -465,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
     args.ownership = ownership
     try:
         if args.workers > 1:
-            from proxy.workers import supervise
+            from proxy.lifecycle.workers import supervise
 
             return supervise(args, run_worker)
         return run_worker(args)

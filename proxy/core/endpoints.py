@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.model import Endpoint, Service, ServicePort, Snapshot
+from proxy.core.model import Endpoint, Service, ServicePort, Snapshot
 
 
 class EndpointInfo(NamedTuple):

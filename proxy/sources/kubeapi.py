@@ -74,9 +74,9 @@ import aiohttp
 import yaml
 
 from proxy import metrics
+from proxy.core.model import Snapshot
 from proxy.k8s import HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL, StateError, parse_objects
-from proxy.model import Snapshot
-from proxy.state import StateHub
+from proxy.sources.hub import StateHub
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Owns: forking the workers, passing signals on, restarting a worker that
 dies, and the namespace-wide return-path routing that all workers share
 (installed once here, so no worker's exit can remove it under the others;
 worker 0 runs the sync-period guard that restores it, next to the health it
-reports to). The namespace claim (``proxy.ownership``) is taken by
+reports to). The namespace claim (``proxy.lifecycle.ownership``) is taken by
 ``kpx node`` before this runs: the workers inherit it, a second instance
 fails before it could join their SO_REUSEPORT group, and SIGTERM hands the
 namespace over once the workers' listeners are closed. Unlike one process,
@@ -32,8 +32,8 @@ import signal
 import time
 from collections.abc import Callable
 
-from proxy.ownership import Ownership
-from proxy.transparent import TransparentRouting
+from proxy.lifecycle.ownership import Ownership
+from proxy.userspace.transparent import TransparentRouting
 
 log = logging.getLogger(__name__)
 

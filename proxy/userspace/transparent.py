@@ -17,7 +17,7 @@ route back through it; that is why cross-node hops SNAT.
 The routing is the namespace's, not the process's: a successor started
 while its predecessor drains shares it. So ``install`` only adds what is
 missing (no delete-then-add window), ``remove`` runs only when no other kpx
-is present (``proxy.ownership``), and ``ReturnPathGuard`` puts back, every
+is present (``proxy.lifecycle.ownership``), and ``ReturnPathGuard`` puts back, every
 sync period, whatever something outside kpx deleted.
 
 Never: touch any namespace other than the current one, or anything that is
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 from proxy import metrics
-from proxy.ownership import BASE_NAME, live_pids, routing_lock, routing_lock_async
+from proxy.lifecycle.ownership import BASE_NAME, live_pids, routing_lock, routing_lock_async
 
 if TYPE_CHECKING:
-    from proxy.state import ProxyHealth
+    from proxy.sources.hub import ProxyHealth
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ Steps = Generator[Command, _Result, T]
 run and is sent their results. ``_drive`` runs them with ``subprocess`` (start,
 exit, tests); ``_drive_async`` with the loop's own subprocesses, which on uvloop
 start no thread (the guard's check, every sync period: see
-``proxy.source.INLINE_MAX_BYTES`` for why a thread costs every connection)."""
+``proxy.sources.statefile.INLINE_MAX_BYTES`` for why a thread costs every connection)."""
 
 
 def _run(argv: list[str], stdin: str | None = None) -> _Result:
@@ -250,7 +250,7 @@ class TransparentRouting:
     is not, the dataplane SNATs every connection. It adds only what is
     missing (``ensure``), so a successor installing while its predecessor
     drains never opens a window without the rule. ``remove`` leaves
-    everything in place while another kpx process is present (``proxy.ownership``):
+    everything in place while another kpx process is present (``proxy.lifecycle.ownership``):
     whoever exits last cleans up. Every change holds the namespace's routing lock.
     """
 

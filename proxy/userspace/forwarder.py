@@ -12,7 +12,7 @@ rest of a read is copied), touch Prometheus per connection (counts are
 plain ints, flushed in batches: see ``PortMetrics``), read a client before
 its upstream is connected, or hold more than one read per direction. Never
 log a per-connection event except through ``Forwarder.warn``: rate-limited
-per cause and service (``proxy.lograte``), so a refusing endpoint under
+per cause and service (``proxy.util.lograte``), so a refusing endpoint under
 load writes two lines per 10 s, not three per connection.
 
 Theory of operation
@@ -116,10 +116,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import metrics
-from proxy.balancer import Balancer
-from proxy.decision import Drop, Forward, PortPlan, decide
-from proxy.lograte import RateLimitedLog
-from proxy.transparent import upstream_socket
+from proxy.core.balancer import Balancer
+from proxy.core.decision import Drop, Forward, PortPlan, decide
+from proxy.userspace.transparent import upstream_socket
+from proxy.util.lograte import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ TCP_TIMEOUT_CLOSE_WAIT = 3600.0
 SWEEP_MAX_INTERVAL = 30.0
 """Longest wait between idle sweeps: how late past its timeout a connection may expire."""
 LOG_WINDOW = 10.0
-"""Seconds per rate-limit window of the per-connection warnings (``proxy.lograte``)."""
+"""Seconds per rate-limit window of the per-connection warnings (``proxy.util.lograte``)."""
 _TIMER_SLACK = 0.01
 """Loops may run a timer up to their clock resolution early: wake a little after a
 window ends, so the tick finds it ended instead of rescheduling itself at once."""

@@ -1,14 +1,14 @@
 """The wire of a listener handover between two ``kpx node`` processes of one namespace.
 
 Owns: the frames on a handover connection (an abstract UNIX stream socket,
-``proxy.ownership`` names it) and passing file descriptors over it with
+``proxy.lifecycle.ownership`` names it) and passing file descriptors over it with
 ``SCM_RIGHTS``, at most ``MAX_FDS`` per ``sendmsg``, as HAProxy's seamless
 reload (``expose-fd listeners``) and nginx's binary upgrade pass their
 listening sockets: the socket itself moves, so its accept queue is never
 dropped and there is no moment without a listener.
 
-Never: decide when to hand over (``proxy.ownership``, ``proxy.node``) or
-touch a listener (``proxy.dataplane``). Received fds are returned raw; a
+Never: decide when to hand over (``proxy.lifecycle.ownership``, ``proxy.commands.node``) or
+touch a listener (``proxy.userspace.dataplane``). Received fds are returned raw; a
 frame that does not parse, or descriptors the kernel had to truncate
 (``MSG_CTRUNC``), abort the handover with ``HandoverError``, closing every
 fd received so far: the caller falls back to binding its own sockets.

@@ -52,20 +52,21 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
-from proxy import metrics, synfilter
-from proxy.balancer import Balancer
-from proxy.decision import PlanCache, PortPlan, build_plans
-from proxy.forwarder import (
+from proxy import metrics
+from proxy.core.balancer import Balancer
+from proxy.core.decision import PlanCache, PortPlan, build_plans
+from proxy.core.model import Snapshot
+from proxy.sources.hub import Prepared
+from proxy.userspace import synfilter
+from proxy.userspace.forwarder import (
     TCP_TIMEOUT_CLOSE_WAIT,
     TCP_TIMEOUT_ESTABLISHED,
     Forwarder,
     PortMetrics,
     PortState,
 )
-from proxy.listener import AcceptSet, Listener
-from proxy.model import Snapshot
-from proxy.state import Prepared
-from proxy.transparent import RoutingConfig, TransparentRouting, transparent_capable
+from proxy.userspace.listener import AcceptSet, Listener
+from proxy.userspace.transparent import RoutingConfig, TransparentRouting, transparent_capable
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class Dataplane:
         self._listeners: dict[ListenerKey, Listener] = {}
         self._inherited: dict[ListenerKey, socket.socket] = dict(inherited or {})
         """Listening sockets passed on by the kpx node this one took over from
-        (``proxy.handover``), unwatched until a sync wants them: adopted in
+        (``proxy.lifecycle.handover``), unwatched until a sync wants them: adopted in
         place of a new bind, so their accept queues carry on. The first
         complete reconcile closes those no plan wants."""
         self.synced = asyncio.Event()
@@ -367,7 +368,7 @@ class Dataplane:
         self._desired = desired if desired is not None else self._desired_for(plans, node_ips)
         self._reconcile()
         # SYNC_DURATION / SYNC_LAST_TIMESTAMP are observed around apply() by
-        # proxy.node.timed_reader; the no-local-endpoints gauge belongs to the
+        # proxy.commands.node.timed_reader; the no-local-endpoints gauge belongs to the
         # healthz sidecar's SyncMetrics, which serves it.
 
     async def stop_accepting(self) -> None:

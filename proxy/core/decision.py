@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from itertools import compress
 from operator import is_, is_not
 
-from proxy.balancer import Balancer
-from proxy.endpoints import EndpointInfo, categorize_endpoints, service_port_endpoints
-from proxy.model import EndpointSlice, Service, ServicePort, Snapshot
+from proxy.core.balancer import Balancer
+from proxy.core.endpoints import EndpointInfo, categorize_endpoints, service_port_endpoints
+from proxy.core.model import EndpointSlice, Service, ServicePort, Snapshot
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 

@@ -19,7 +19,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proxy.endpoints import EndpointInfo
+    from proxy.core.endpoints import EndpointInfo
 
 _REAP_EVERY = 1024
 """Sweep expired affinity records after this many picks, bounding memory."""

@@ -3,7 +3,7 @@
 Owns: reading what ``kubectl get nodes,svc,endpointslices -A -o yaml`` prints
 (multi-document streams, ``kind: List``, typed ``NodeList``/``ServiceList``/
 ``EndpointSliceList``, in any mix and order, or the same as JSON) into
-``proxy.model`` objects, and every check kpx makes before it trusts a state;
+``proxy.core.model`` objects, and every check kpx makes before it trusts a state;
 ``StateParser`` does it again for each new version of a state, re-reading
 only the documents that changed. Also ``decode_state``, the one door from
 bytes to text (not UTF-8: refused).
@@ -158,8 +158,7 @@ from typing import Any, Literal, NamedTuple, cast
 import yaml
 from yaml.nodes import ScalarNode
 
-from proxy.gcpause import gc_paused
-from proxy.model import (
+from proxy.core.model import (
     DEFAULT_AFFINITY_SECONDS,
     Endpoint,
     EndpointPort,
@@ -172,6 +171,7 @@ from proxy.model import (
     Snapshot,
     TrafficPolicy,
 )
+from proxy.util.gcpause import gc_paused
 
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's loader is ~10x faster than the pure-Python one; same safety."""
