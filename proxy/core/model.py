@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Literal, TypeVar
 
+from proxy.core.changes import EVERYTHING, Changes
+
 TrafficPolicy = Literal["Cluster", "Local"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer", "ExternalName"]
 SessionAffinity = Literal["None", "ClientIP"]
@@ -163,6 +165,8 @@ class Snapshot:
     services: tuple[Service, ...] = ()
     slices: tuple[EndpointSlice, ...] = ()
     generation: int = 0
+    changes: Changes = field(default=EVERYTHING, compare=False)
+    """What changed since an earlier generation, as the source saw it (``proxy.core.changes``)."""
     _slices_by_service: dict[str, tuple[EndpointSlice, ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
