@@ -1,5 +1,12 @@
 """The backends every contender forwards to: HTTP, the exact bulk sink and iperf3 per pod.
 
+Owns: the backends' configuration, starting them in the pod namespaces (an
+HAProxy per HTTP address, a ``bench.bulk`` sink and an iperf3 server per pod),
+waiting until they listen, checking they are still up, and stopping them.
+
+Never: run a backend outside a pod namespace or stop anything it did not
+start: every process is a ``bench.procs.Proc`` and is stopped by its pid.
+
 Why HAProxy as the HTTP backend: nginx is not installed here, and HAProxy's
 ``http-request return`` answers a static 200 from C with no file I/O, so the
 backend is never the Python side of the comparison. It runs single-threaded
@@ -17,8 +24,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import Proc, nofile_hard_limit, wait_until
+from bench.procs import Proc, nofile_hard_limit
 from bench.topology import POD1_ALT_IP, POD1_IP, POD2_IP, Topology, read_tcp_table
+from lab.common import poll
 
 HTTP_PORT = 8080
 IPERF_PORT = 5201
@@ -109,7 +117,7 @@ class Backends:
                 table = self.topo.thread(role).call(read_tcp_table)
                 ports = {lp for lp, _, st in table if st == "LISTEN"}
                 return {HTTP_PORT, IPERF_PORT, BULK_PORT} <= ports
-            if not wait_until(listening, timeout, 0.05):
+            if not poll(listening, timeout, 0.05):
                 raise RuntimeError(f"backends in {role} not listening: {self.check()}")
 
     def http_pid(self, path: str) -> int:

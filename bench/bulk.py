@@ -1,5 +1,11 @@
 """An exact one-stream bulk sender/receiver (``python -m bench.bulk sink|source``).
 
+Owns: both ends of one exact bulk stream and the JSON line that reports it.
+
+Never: know about namespaces, contenders or results: it is started inside a
+namespace by ``bench.backends`` (sink) and ``bench.workloads`` (source), and
+only speaks TCP.
+
 Why not only iperf3: iperf3's receiver stops counting when the sender says
 the test is over, so the bytes still in flight are missing from its report
 (0-0.3% short here). That makes "bytes received == bytes sent" unverifiable,

@@ -1,5 +1,12 @@
 """``kpx bench``: kpx against direct, the kernel, HAProxy and naive asyncio, in one run.
 
+Owns: the ``kpx bench`` flags and their meaning (``build_config``), checking
+and, unless ``--no-install``, apt-installing the load generators it needs,
+and turning SIGTERM and Ctrl-C into the runner's cleanup path.
+
+Never: measure or create anything itself: ``bench.runner.Bench`` does, and
+removes it all again.
+
 Flags choose what runs; ``--quick`` is a complete but short run (one run per
 cell, short durations, local path only, 20 endpoint changes) meant to finish
 in under three minutes; the default is the full run the lead measures with

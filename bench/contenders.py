@@ -5,6 +5,9 @@ the workloads which address to hit, and a functional probe before any
 measurement (an HTTP GET must come back from the expected pod, otherwise the
 contender fails with that reason instead of being measured on a broken path).
 
+Never: run two contenders at once or leave one behind: each is started for
+its own round and stopped by pid (and its nft table deleted) after it.
+
 Every contender forwards the same two services to the same backends: "http"
 (the HAProxy static 200 on :8080, for rr/cps/mem) and "bulk" (the exact
 sender/receiver sink on :5202). Each contender has its own front ports, so
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from bench import k8s_state
 from bench.backends import BACKENDS, BULK_PORT, HTTP_PORT, IPERF_PORT, BackendSet
-from bench.procs import Proc, nofile_hard_limit, wait_until
+from bench.procs import Proc, nofile_hard_limit
 from bench.topology import (
     NODE1_IP,
     NODE2_IP,
@@ -35,6 +38,7 @@ from bench.topology import (
     listening_ports,
     sh,
 )
+from lab.common import poll, write_atomic
 
 NFT_TABLE = "kpxbench"
 
@@ -133,7 +137,7 @@ class Contender:
                 return True
             return ports <= self.topo.thread("node1").call(listening_ports)
 
-        ok = wait_until(ready, timeout, 0.05)
+        ok = poll(ready, timeout, 0.05)
         if proc is not None and not proc.alive():
             raise ContenderError(
                 f"{self.name} exited rc={proc.returncode()} during start-up: {proc.why()}"
@@ -368,7 +372,7 @@ class Kpx(ProcessContender):
     def start(self, path: str, state: str | None = None) -> None:
         super().start(path)
         t = self.target()
-        k8s_state.write_atomic(self.state_path,
+        write_atomic(self.state_path,
                                state or bench_state(path, t.http_port, t.bulk_port,
                                                     etp=self.etp))
         self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),

@@ -1,5 +1,12 @@
 """The control-plane workload (kpx only): apply time, convergence, idle CPU.
 
+Owns: the apply, converge, idle and stall measurements of one kpx against
+its own state file, and the checks that make each run count (every port
+listening, the moved endpoint reached, no probe refused).
+
+Never: read kpx's internals (no ``/metrics``, no import of ``proxy``): only
+what a user sees from outside, the listeners and the answers.
+
 Why measured from outside: the brief runs ``kpx node --no-healthz``, so there
 is no /metrics to read, and what a user waits for is the effect, not a log
 line. So:
@@ -46,9 +53,10 @@ from bench import k8s_state
 from bench.backends import HTTP_PORT
 from bench.contenders import ContenderError, Kpx, bench_state, http_get
 from bench.prober import ProbeProcess, ProbeSeries, ProbeTarget, probe_open_loop
-from bench.procs import cpu_seconds, nofile_hard_limit, wait_until
+from bench.procs import cpu_seconds, nofile_hard_limit
 from bench.results import Run
 from bench.topology import NODE1_IP, POD1_ALT_IP, POD1_IP, POD2_IP, listening_ports
+from lab.common import poll, write_atomic
 
 CONV_NODE_PORT = 30402
 CONV_NAMES = ("pod1-a", "pod1-b")
@@ -115,7 +123,7 @@ class Control:
         return bench_state("local", *self.base_ports, extra=extra)
 
     def write(self, text: str) -> float:
-        k8s_state.write_atomic(self.kpx.state_path, text)
+        write_atomic(self.kpx.state_path, text)
         return time.monotonic()
 
     # ---- observations ------------------------------------------------------------
@@ -135,7 +143,7 @@ class Control:
 
     # ---- measurements ------------------------------------------------------------
 
-    def wait_count(self, n: int, done: Callable[[int], bool], poll: float
+    def wait_count(self, n: int, done: Callable[[int], bool], interval: float
                    ) -> tuple[bool, int]:
         """Poll the listener count until ``done(count)``, kpx dies, or progress stalls.
 
@@ -157,7 +165,7 @@ class Control:
             # Stuck on EMFILE will not recover: no need to sit out the stall timeout.
             if stalled >= 5.0 and self._log_hint():
                 return False, count
-            time.sleep(poll)
+            time.sleep(interval)
 
     def _log_hint(self) -> str:
         """Why kpx may be stuck, from its log: EMFILE is the one seen here."""
@@ -187,11 +195,11 @@ class Control:
         text = self.state(n)
         time.sleep(0.3)
         t0 = self.write(text)
-        poll = 0.01
-        ok, count = self.wait_count(n, lambda c: c >= n, poll)
+        interval = 0.01
+        ok, count = self.wait_count(n, lambda c: c >= n, interval)
         elapsed = time.monotonic() - t0
         detail: dict[str, Any] = {"services": n, "endpoints_per_service": len(self.eps),
-                                  "poll_interval_s": poll,
+                                  "poll_interval_s": interval,
                                   "state_bytes": len(text.encode())}
         if self._dead():
             return Run.failed(str(self._dead()), **detail)
@@ -232,7 +240,7 @@ class Control:
         rng = random.Random(self.cs.seed)
         texts = {name: self.state(n, name) for name in CONV_NAMES}
         self.write(texts["pod1-a"])
-        ready = wait_until(lambda: self._try_probe() == "pod1-a", self.cs.apply_timeout, 0.05)
+        ready = poll(lambda: self._try_probe() == "pod1-a", self.cs.apply_timeout, 0.05)
         detail: dict[str, Any] = {"services": n + 1, "changes": self.cs.changes,
                                   "seed": self.cs.seed, "pause_range_s": self.cs.pause_range}
         if not ready:
@@ -290,7 +298,7 @@ class Control:
         targets = [ProbeTarget("conn", NODE1_IP, self.base_ports[0]),
                    ProbeTarget("healthz", NODE1_IP, HEALTHZ_PORT,
                                b"GET /healthz HTTP/1.0\r\nHost: bench\r\n\r\n")]
-        ready = wait_until(lambda: self._answers(targets), 10.0, 0.05)
+        ready = poll(lambda: self._answers(targets), 10.0, 0.05)
         if not ready:
             return Run.failed(self._dead() or "NodePort or /healthz never answered before "
                               "the apply")
@@ -305,10 +313,10 @@ class Control:
                               cs.apply_timeout + cs.stall_tail, cs.stall_probe_timeout)
         try:
             # 0.3 s of probes before the write: the baseline the stall stands out from.
-            if wait_until(lambda: prober.proc.poll() is not None, 0.3, 0.05):
+            if poll(lambda: prober.proc.poll() is not None, 0.3, 0.05):
                 return Run.failed(f"prober exited early: {prober.finish()}", **detail)
             t0 = time.monotonic()
-            k8s_state.write_atomic_bytes(self.kpx.state_path, data)
+            write_atomic(self.kpx.state_path, data)
             # A slow poll: each one dumps up to 10,000 sockets, CPU the two cores
             # kpx runs on would otherwise lose to the harness (apply_s is a by-product).
             ok, count = self.wait_count(node_ports, lambda c: c >= node_ports, 0.25)

@@ -2,8 +2,11 @@
 
 Owns: rendering v1 Nodes, NodePort v1 Services and discovery.k8s.io/v1
 EndpointSlices as ``kubectl get -o yaml`` would print them (multi-document,
-block style), and writing them atomically (sibling + rename) because that is
-how kpx's state source expects a file to change.
+block style). Writing them is ``lab.common.write_atomic`` (sibling, fsync,
+rename: how kpx's state source expects a file to change), re-exported here.
+
+Never: parse YAML or know what kpx does with it: the output is checked only
+by kpx reading it, as a real cluster's would be.
 
 Rendered from string templates rather than ``yaml.safe_dump``: the control
 workload writes 10,000 services x 3 endpoints (20,000 documents) and then
@@ -13,10 +16,10 @@ part of a convergence measurement.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+
+from lab.common import write_atomic as write_atomic  # re-exported for older callers
 
 NAMESPACE = "bench"
 
@@ -163,21 +166,3 @@ def cluster_ip_services(count: int, endpoints: tuple[Ep, ...], target: int,
                     endpoints=endpoints, type="ClusterIP")
         for i in range(count)
     ]
-
-
-def write_atomic_bytes(path: Path, data: bytes) -> None:
-    """``write_atomic`` of bytes already encoded (no GIL-holding encode while timing)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-    os.replace(tmp, path)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a sibling and rename it over ``path``: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-    os.replace(tmp, path)

@@ -1,5 +1,11 @@
 """Open N idle TCP connections and hold them (``python -m bench.memclient``).
 
+Owns: opening N connections with bounded handshakes in flight, reporting the
+outcome as one JSON line, and holding them until told to stop.
+
+Never: send a byte on a held connection, or run without a bound: N, the
+in-flight window and the deadline are all given on the command line.
+
 The mem workload runs this in the client namespace: it connects N times to
 the contender's front port, with a bounded number of handshakes in flight so
 no accept queue overflows, prints one JSON line with the outcome, then holds

@@ -1,5 +1,11 @@
 """The obvious Python baseline: an asyncio Streams copy loop, default event loop.
 
+Owns: the naive contender's relay, one asyncio Streams copy loop per
+direction, for each ``LISTEN=UPSTREAM`` pair given on the command line.
+
+Never: use anything kpx uses to be fast (uvloop, Protocols, splice): it
+would stop being the baseline.
+
 This is what someone writes in ten minutes, so it shows how far kpx's design
 (Protocols, uvloop, splice, precomputed tables) moves Python. It is naive in
 speed only, not in correctness: it relays half-close (write_eof) and closes

@@ -1,5 +1,10 @@
 """Parsers for the load generators' output: wrk's text report, iperf3's JSON.
 
+Owns: turning wrk's report and iperf3's JSON into the figures and the error
+counters a run is judged by (``WrkResult``, ``parse_iperf3``).
+
+Never: run a load generator or decide pass/fail: ``bench.workloads`` does.
+
 Pure functions over strings so they are unit-tested on captured samples
 (tests/bench/samples). They extract the counters that decide correctness as
 well as the figures: a wrk run with any socket error or non-2xx response is a

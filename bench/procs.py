@@ -19,7 +19,6 @@ import re
 import resource
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -172,15 +171,3 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             fields = stat[stat.rindex(")") + 2:].split()
             total += int(fields[11]) + int(fields[12])
     return total / CLK_TCK
-
-
-def wait_until(pred: object, timeout: float, interval: float = 0.02) -> bool:
-    """Poll ``pred()`` until true or ``timeout``; the poll is bounded in time."""
-    assert callable(pred)
-    deadline = time.monotonic() + timeout
-    while True:
-        if pred():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)

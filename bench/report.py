@@ -4,6 +4,9 @@ Owns: formatting a ``CellTable`` (median with min-max over runs, or the
 failure reason in place of any number), the ratio and target tables, and one
 bar chart per workload. matplotlib is an optional extra (``.[bench]``): when
 it is missing, charts are skipped with a note and everything else still works.
+
+Never: compute a figure: medians, ratios and verdicts come from
+``bench.results``, so what is printed is what the results file holds.
 """
 
 from __future__ import annotations

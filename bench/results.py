@@ -15,6 +15,9 @@ functions, so the arithmetic is unit-tested without a network:
 
 The file is versioned by ``SCHEMA``; ``validate`` checks a loaded document's
 shape so a consumer (or the unit test's round trip) can rely on it.
+
+Never: measure or print anything: runs come from ``bench.workloads`` and
+``bench.control``, tables and charts are ``bench.report``'s.
 """
 
 from __future__ import annotations

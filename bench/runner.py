@@ -1,5 +1,12 @@
 """One bench invocation: topology up, every contender x workload, results out, topology down.
 
+Owns: the order of work below, the machine description recorded with the
+results, the progress display, and the promise that everything a run
+creates is removed again.
+
+Never: measure a workload itself (``bench.workloads``, ``bench.control``) or
+leave a namespace or process behind, whatever ends the run.
+
 Order of work, and why:
 
 - paths outermost (local, then cross): each path needs its own kpx state and

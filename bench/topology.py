@@ -7,9 +7,10 @@ to run a command or a Python callable *inside* one of those namespaces.
 Never: touch the root namespace. Links are created inside a bench namespace
 (``ip -n NS link add ... peer ... netns OTHER``), sysctls are written through
 ``ip netns exec``, and everything is removed by ``Topology.destroy`` which the
-runner calls from a ``finally``. It is deliberately independent of ``lab/``
-(written concurrently, with different goals): a benchmark must control every
-knob that moves its numbers and record it.
+runner calls from a ``finally``. It builds its own topology rather than
+``lab/``'s (different goals: a benchmark must control every knob that moves
+its numbers and record it) and shares only plumbing with it: listing
+namespaces comes from ``lab.netns``.
 
 Layout (all /24s, addresses are private to these namespaces)::
 
@@ -37,6 +38,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+from lab.netns import list_namespaces
 
 T = TypeVar("T")
 
@@ -350,13 +353,6 @@ class Topology:
                 "cross": "client -> node1 -> node2 -> pod2 (endpoint on node2, SNAT)",
             },
         }
-
-
-def list_namespaces() -> list[str]:
-    try:
-        return sorted(os.listdir(NETNS_DIR))
-    except FileNotFoundError:
-        return []
 
 
 TCP_STATES = {

@@ -13,6 +13,9 @@ Every load is bounded: wrk and the bulk sender by duration, the mem client
 by connection count and a deadline, and each subprocess by a timeout.
 TIME_WAIT is recorded around cps runs (per namespace) so its handling is
 visible in the results rather than silently capping them.
+
+Never: start a contender or a backend (``bench.runner`` hands them in), or
+judge a run by its speed: a run is clean or failed by its own checks alone.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import Any
 from bench.backends import HTTP_PORT
 from bench.contenders import Contender, Kernel
 from bench.parsers import ParseError, parse_iperf3, parse_wrk
-from bench.procs import nofile_hard_limit, raise_nofile, rss_bytes, wait_until
+from bench.procs import nofile_hard_limit, raise_nofile, rss_bytes
 from bench.results import Run
 from bench.topology import CommandError, Topology, count_states, read_tcp_table, sh
+from lab.common import poll
 
 MEM_FD_RESERVE = 300
 """Descriptors a proxy needs besides its two per connection (listeners, epoll, logs)."""
@@ -250,7 +254,7 @@ def mem(topo: Topology, c: Contender, s: Settings) -> Run:
         if opened["opened"] != n:
             return Run.failed(f"only {opened['opened']} of {n} connections opened "
                               f"({opened['failed']} failed: {opened['error']})", **detail)
-        reached = wait_until(lambda: _backend_established(topo, c) - base_backend >= n,
+        reached = poll(lambda: _backend_established(topo, c) - base_backend >= n,
                              30.0, 0.2)
         at_backend = _backend_established(topo, c) - base_backend
         detail["at_backend"] = at_backend
@@ -288,7 +292,7 @@ def mem(topo: Topology, c: Contender, s: Settings) -> Run:
                 proc.kill()
                 proc.wait(timeout=10)
         # Let the proxy tear the pairs down before anyone measures anything else.
-        wait_until(lambda: _backend_established(topo, c) <= base_backend + 10, 20.0, 0.2)
+        poll(lambda: _backend_established(topo, c) <= base_backend + 10, 20.0, 0.2)
 
 
 WORKLOAD_FUNCS = {"bulk": bulk, "rr": rr, "cps": cps, "mem": mem}

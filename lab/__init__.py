@@ -1,8 +1,10 @@
 """kpx's multi-node lab: network namespaces, echo pods, an endpoints controller.
 
-``from lab import Lab, LabSpec`` is the API tests and demos use. The names
-are resolved lazily so that ``python -m lab.echo`` (started once per pod)
-never pays for pyroute2 and YAML.
+Owns: the package's short names, ``from lab import Lab, LabSpec``, the API
+tests and demos use (``Lab``, ``LabError``, ``NoReply``, ``wait_until`` from
+``lab.cluster``; ``LabSpec``, ``LabSpecError``, ``PodSpec`` from ``lab.spec``).
+
+Never: import anything when the package itself is imported.
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Lab", "LabError", "LabSpec", "LabSpecError", "NoReply", "PodSpec", "wait_until"]
 
-_HOMES = {
-    "Lab": "lab.cluster", "LabError": "lab.cluster", "NoReply": "lab.cluster",
-    "wait_until": "lab.cluster", "LabSpec": "lab.spec", "LabSpecError": "lab.spec",
-    "PodSpec": "lab.spec",
-}
 
-
+# Lazy on purpose: every process the lab starts imports this package first
+# (``python -m lab.echo`` once per pod, ``python -m lab.loadbalancer``), and
+# ``lab.cluster`` would double each one's start-up with YAML and every lab module.
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'lab' has no attribute {name!r}")
-    import importlib
+    if name in ("LabSpec", "LabSpecError", "PodSpec"):
+        from lab import spec
 
-    return getattr(importlib.import_module(home), name)
+        return getattr(spec, name)
+    if name in ("Lab", "LabError", "NoReply", "wait_until"):
+        from lab import cluster
+
+        return getattr(cluster, name)
+    raise AttributeError(f"module 'lab' has no attribute {name!r}")

@@ -245,7 +245,7 @@ def _status(args: argparse.Namespace) -> int:
         rows.append((p["name"], p["node"], p["ip"], str(p["ready"]).lower(), state))
     _table(rows)
     print()
-    # HOOK (lab.loadbalancer): per-node probe results, as lab.loadbalancer.status() reports.
+    # The load balancer's per-node probe results, as lab.lb.control.status() reports them.
     lb = st.get("loadBalancer")
     if lab.spec.load_balancer is None:
         print("load balancer: none in this lab")

@@ -1,13 +1,23 @@
 """The running lab: a multi-node cluster substitute made of network namespaces.
 
-Owns: the life of one lab (``up``/``down``), its processes (one echo server
-per pod, one ``kpx node`` per node, and anything the load balancer spawns),
-its pods' placement and addresses, the shared state file (through
-``lab.controller`` and ``lab.statefile``), the run directory and its
-``lab.json`` record, and the Python API tests drive it with::
+Owns: the life of one lab (``up``/``down``, ``attach``), converging it on a
+new spec (``apply``: pods and services), its services, the ``lab.json``
+record (``_save``/``_load``), and ``Lab``, the Python API tests and the CLI
+drive a lab with::
 
     with Lab(LabSpec.default(), prefix="kt1", run_dir=tmp_path) as lab:
         lab.request("client", lab.node_ip("node1"), lab.node_port("default/web"))
+
+The work is done by one module per role, which ``Lab`` holds or inherits:
+``lab.topology`` builds namespaces, links and addresses; ``lab.pods`` is
+one pod's life (``Lab`` is ``Pods``); ``lab.processes`` runs and tracks the
+echo servers and ``kpx node``s (``Lab.procs``);
+``lab.statefile`` writes the state file (``Lab.state_file``);
+``lab.probes`` is the traffic the lab sends (``Lab`` is a ``Traffic``);
+``lab.rundir`` names and records things; ``lab.teardown`` removes a lab;
+``lab.lb.control`` runs the load balancer. Their public names that tests
+import from here (``LabError``, ``NoReply``, ``wait_until``, ``sweep``...)
+are re-exported.
 
 Never: touch the root namespace (see ``lab.netns``/``lab.topology``), send
 traffic anywhere but addresses inside the lab, or leave anything behind.
@@ -21,175 +31,60 @@ second process (every ``kpx lab`` command after ``up``) the same API on it.
 Mutations take a flock on the run directory and re-read ``lab.json``, so
 the CLI is stateless between invocations and concurrent commands serialize.
 
-Load balancer hook: if the lab file has a ``loadBalancer`` section and the
-module ``lab.loadbalancer`` exists, ``up`` calls its ``start(lab)`` (whatever
-it returns with a ``pid`` is recorded and killed on ``down``; an object with
-``stop()`` is stopped first). ``status(run_dir)`` feeds ``kpx lab status``
-and ``config_for(lab)`` (``.listen_ip``, ``.port``) feeds ``lb_address``.
-Each of these is optional and looked up lazily; a missing module is fine.
+Load balancer: if the lab file has a ``loadBalancer`` section, ``up`` calls
+``lab.lb.control.start(lab)`` after everything else is ready (its pid is
+recorded and killed on ``down``, after ``stop()``), ``apply`` calls its
+``on_apply(lab)``, ``status`` includes its per-node verdicts, and
+``lb_address`` is its front.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import importlib
-import importlib.util
 import json
 import logging
 import os
-import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from lab import netns, topology
-from lab.controller import (
-    NodeInfo,
-    PodState,
-    endpoint_slices,
-    resolve_services,
-    slice_fingerprints,
-    stamp_trigger_times,
-    state_documents,
+from lab.common import wait_until, write_atomic
+from lab.controller import NodeInfo, resolve_services
+from lab.lb import control as lb_control
+from lab.pods import Pods, needs_recreate
+from lab.probes import NoReply, Traffic, can_connect, http_ok
+from lab.processes import Processes, Readiness, proxy_argv, proxy_healthz_port, read_text
+from lab.rundir import (
+    DEFAULT_NAME,
+    LAB_JSON,
+    PREFIX_RE,
+    RUN_DIR_ENV,
+    STATE_FILE,
+    LabError,
+    PodRecord,
+    ProcInfo,
+    RunDirLock,
+    default_run_dir,
+    read_record,
+    remove_record,
 )
-from lab.loadbalancer import describe_error
-from lab.spec import LabSpec, PodSpec, service_key, service_ref
-from lab.statefile import write_atomic, write_state
+from lab.spec import LabSpec, service_key, service_ref
+from lab.statefile import StatePublisher
+from lab.teardown import sweep, teardown, teardown_previous
 
 log = logging.getLogger("kpx.lab")
 
-DEFAULT_NAME = "kpx"
-DEFAULT_RUN_BASE = "/run/kpx"
-RUN_DIR_ENV = "KPX_RUN_DIR"
 HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
-LAB_JSON = "lab.json"
-STATE_FILE = "state.yaml"
-PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
-"""A lab name/prefix: no '-', so ``<prefix>-`` names this lab's namespaces only."""
-
-T = TypeVar("T")
 
 
-class LabError(RuntimeError):
-    """The lab could not do what was asked; the message says what and where to look."""
-
-
-class NoReply(ConnectionError, EOFError):
-    """The peer closed the connection (FIN) before sending a complete reply.
-
-    An EOFError too, so ``describe_error`` names it as the load balancer's
-    probes name the same thing: "closed without an answer".
-    """
-
-
-def default_run_dir(name: str = DEFAULT_NAME) -> Path:
-    """``$KPX_RUN_DIR/<name>``, default ``/run/kpx/<name>``."""
-    return Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_BASE) / name
-
-
-def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05,
-               what: str = "condition") -> T:
-    """Poll *predicate* until it returns something truthy; TimeoutError at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
-        time.sleep(interval)
-
-
-@dataclass
-class ProcInfo:
-    """A process the lab started: enough to find, check and kill it later."""
-
-    pid: int
-    start: int | None
-    ns: str
-    role: str
-    log: str
-    argv: list[str] = field(default_factory=list)
-
-    def alive(self) -> bool:
-        return netns.pid_alive(self.pid) and netns.pid_start_time(self.pid) == self.start
-
-
-@dataclass
-class PodRecord:
-    """A pod that exists right now (including while terminating)."""
-
-    spec: PodSpec
-    ip: str
-    slot: int
-    uid: str
-    terminating: bool = False
-    delete_at: float | None = None
-    proc: ProcInfo | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["spec"] = self.spec.to_dict()
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> PodRecord:
-        s = d["spec"]
-        spec = PodSpec(name=s["name"], node=s["node"], labels=dict(s.get("labels", {})),
-                       port=s.get("port", 8080), ready=s.get("ready", True),
-                       namespace=s.get("namespace", "default"), port_name=s.get("portName"))
-        proc = ProcInfo(**d["proc"]) if d.get("proc") else None
-        return cls(spec=spec, ip=d["ip"], slot=d["slot"], uid=d["uid"],
-                   terminating=d.get("terminating", False), delete_at=d.get("delete_at"),
-                   proc=proc)
-
-
-class _RunDirLock:
-    """A re-entrant lock that also excludes other processes (flock on the run dir).
-
-    flock locks belong to an open file, so a nested acquire in the same
-    thread must not open the file again: it would deadlock against itself.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._rlock = threading.RLock()
-        self._depth = 0
-        self._fd: int | None = None
-
-    def __enter__(self) -> None:
-        self._rlock.acquire()
-        if self._depth == 0:
-            try:
-                self._path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                self._fd = fd
-            except BaseException:
-                self._rlock.release()
-                raise
-        self._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._rlock.release()
-
-
-class Lab:
+class Lab(Traffic, Pods):
     """A multi-node kube-proxy lab in network namespaces. See the module docstring."""
 
     def __init__(
@@ -223,18 +118,16 @@ class Lab:
         self.start_lb = start_lb
         self.plan = topology.Plan(prefix, self.spec.nodes)
         self.up_seconds: float | None = None
-        self.lb_handle: Any = None
+        self.lb_handle: lb_control.LoadBalancerHandle | None = None
 
-        self._lock = _RunDirLock(self.run_dir / ".lock")
+        self.procs = Processes(self.logs_dir)
+        self.state_file = StatePublisher(self.state_path)
+
+        self._lock = RunDirLock(self.run_dir / ".lock")
         self._attached = False
         self._pods: dict[str, PodRecord] = {}
         self._services: list[dict[str, Any]] = []
-        self._proxies: dict[str, ProcInfo] = {}
-        self._extra: list[ProcInfo] = []
         self._namespaces: list[str] = []
-        self._triggers: dict[str, str] = {}
-        self._fingerprints: dict[str, str] = {}
-        self._popen: dict[int, subprocess.Popen[bytes]] = {}
         self._timers: dict[str, threading.Timer] = {}
         self._status = "new"
 
@@ -257,7 +150,7 @@ class Lab:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         with self._lock:
-            self._teardown_previous()
+            teardown_previous(self.prefix, self.run_dir, self.stop_grace)
             self._namespaces = self.plan.infra_namespaces()
             self._status = "creating"
             self._save()
@@ -269,12 +162,12 @@ class Lab:
                 self._write_state()
                 t_net = time.monotonic()
                 for rec in self._pods.values():
-                    self._start_echo(rec)
+                    self.procs.start_echo(rec, self.plan.pod_ns(rec.spec.name))
                 if self.start_proxies:
                     for node in self.spec.nodes:
                         self._start_proxy(node)
                 self._save()
-                self._wait_ready(list(self._pods.values()), list(self._proxies))
+                self._wait_ready(list(self._pods.values()), list(self.procs.proxies))
                 t_procs = time.monotonic()
                 self._status = "up"
                 self._save()
@@ -298,32 +191,19 @@ class Lab:
                 t.cancel()
             self._timers.clear()
             self._stop_lb()
-            tracked = self._tracked_procs()
-            self._interrupt_proxies()
-            _teardown(self.prefix, self._namespaces, tracked, self.stop_grace)
-            for p in self._popen.values():
-                with contextlib.suppress(Exception):
-                    p.wait(timeout=0.1)
-            self._popen.clear()
+            tracked = self.procs.tracked(self._pods.values())
+            self.procs.interrupt_proxies()
+            teardown(self.prefix, self._namespaces, tracked, self.stop_grace)
+            self.procs.forget()
             self._pods.clear()
-            self._proxies.clear()
-            self._extra.clear()
             self._namespaces = []
             self._status = "down"
-            for name in (LAB_JSON, STATE_FILE):
-                with contextlib.suppress(FileNotFoundError):
-                    (self.run_dir / name).unlink()
+            remove_record(self.run_dir)
 
     @classmethod
     def attach(cls, run_dir: str | os.PathLike[str]) -> Lab:
         """The lab recorded in *run_dir*/lab.json, for a process that did not start it."""
-        path = Path(run_dir) / LAB_JSON
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise LabError(f"no lab at {run_dir} (no {LAB_JSON}); run `kpx lab up`") from None
-        except json.JSONDecodeError as exc:
-            raise LabError(f"{path} is corrupt ({exc}); `kpx lab down` still cleans up") from None
+        data = read_record(run_dir)
         opts = data.get("options", {})
         lab = cls(LabSpec.from_dict(data["spec"], check_lb_service=False), data["prefix"],
                   run_dir, opts.get("start_proxies", True), opts.get("extra_proxy_args", ()),
@@ -339,11 +219,6 @@ class Lab:
     @property
     def nodes(self) -> list[str]:
         return list(self.spec.nodes)
-
-    @property
-    def pods(self) -> list[str]:
-        """Names of pods that exist now, terminating ones included."""
-        return list(self._pods)
 
     @property
     def client_ip(self) -> str:
@@ -372,43 +247,13 @@ class Lab:
             raise KeyError(f"no node {node!r} (nodes: {', '.join(self.spec.nodes)})")
         return self.plan.node_ip(node)
 
-    def pod_ip(self, name: str) -> str:
-        return self._pod(name).ip
-
-    def pod_node(self, name: str) -> str:
-        return self._pod(name).spec.node
-
-    def pod_pid(self, name: str) -> int | None:
-        proc = self._pod(name).proc
-        return proc.pid if proc else None
-
     def proxy_pid(self, node: str) -> int | None:
-        proc = self._proxies.get(node)
+        proc = self.procs.proxies.get(node)
         return proc.pid if proc else None
 
     def proxy_alive(self, node: str) -> bool:
-        proc = self._proxies.get(node)
+        proc = self.procs.proxies.get(node)
         return bool(proc and proc.alive())
-
-    def listener_pids(self, node: str, port: int) -> set[int]:
-        """Pids of the processes holding a TCP socket that listens on *port* in *node*.
-
-        How a restart test tells "the new kpx node is up": its own pid
-        listens on the NodePort, not the old one's.
-        """
-        out = self.run(node, ["ss", "-Hltnp", f"sport = :{port}"]).stdout
-        return {int(m) for m in re.findall(r"pid=(\d+)", out)}
-
-    def pod_terminating(self, name: str) -> bool:
-        return self._pod(name).terminating
-
-    def pod_info(self, name: str) -> dict[str, Any]:
-        """A pod as the lab sees it: spec fields plus ip, uid, terminating, process."""
-        r = self._pod(name)
-        return {**r.spec.to_dict(), "ready": r.spec.ready, "namespace": r.spec.namespace,
-                "ip": r.ip, "uid": r.uid, "terminating": r.terminating,
-                "deleteAt": r.delete_at, "pid": r.proc.pid if r.proc else None,
-                "alive": bool(r.proc and r.proc.alive())}
 
     def ns(self, name: str) -> str:
         """The namespace of a node, a pod, or one of ``client``, ``lb``, ``sw``."""
@@ -455,15 +300,13 @@ class Lab:
     def lb_address(self) -> tuple[str, int]:
         """Where a client reaches the LB-fronted service.
 
-        The LB's front if ``lab.loadbalancer`` can say; else a node's
+        The LB's front if the lab has a working ``loadBalancer`` section; else a node's
         ip:nodePort, preferring a node with a ready local endpoint so it also
         answers under externalTrafficPolicy=Local.
         """
-        mod = _lb_module()
-        if self.spec.load_balancer is not None and mod is not None and hasattr(mod,
-                                                                               "config_for"):
+        if self.spec.load_balancer is not None:
             with contextlib.suppress(Exception):
-                cfg = mod.config_for(self)
+                cfg = lb_control.config_for(self)
                 return str(cfg.listen_ip), int(cfg.port)
         key = self.spec.lb_service_key
         if key is None or key not in self.services:
@@ -480,65 +323,9 @@ class Lab:
         return self.node_ip(node), self.node_port(key)
 
     def proxy_log(self, node: str) -> str:
-        return _read_text(self.logs_dir / f"{node}.log")
+        return read_text(self.logs_dir / f"{node}.log")
 
-    def pod_log(self, name: str) -> str:
-        return _read_text(self.logs_dir / f"pod-{name}.log")
-
-    # ------------------------------------------------------------------ traffic
-
-    @contextlib.contextmanager
-    def socket(self, src: str, family: int = socket.AF_INET,
-               type: int = socket.SOCK_STREAM) -> Iterator[socket.socket]:
-        """A socket created inside *src*'s namespace, closed on exit."""
-        s = netns.socket_in(self.ns(src), family, type)
-        try:
-            yield s
-        finally:
-            s.close()
-
-    def request(self, src: str, ip: str, port: int, mode: str = "WHO", payload: bytes = b"",
-                timeout: float = 2.0) -> dict[str, Any]:
-        """One connection from *src* to ip:port speaking the echo protocol; the reply.
-
-        *mode*: ``WHO`` (default), ``HTTP`` (GET /), ``SINK`` (sends *payload*,
-        half-closes, returns the server's byte count and sha256), ``ECHO``
-        (sends *payload*, half-closes, returns ``{"bytes", "sha256", "data"}``
-        of what came back) or ``HOLD``. Socket errors propagate unchanged:
-        ConnectionRefusedError (RST to the SYN), TimeoutError (no answer
-        within *timeout*, per operation), ConnectionResetError; a clean close
-        without a complete reply raises :class:`NoReply`.
-        """
-        mode = mode.upper()
-        with self.socket(src) as s:
-            s.settimeout(timeout)
-            s.connect((ip, port))
-            if mode in ("WHO", "HOLD"):
-                s.sendall(mode.encode() + b"\n" + payload)
-                return json.loads(_read_line(s))
-            if mode == "HTTP":
-                s.sendall(f"GET / HTTP/1.1\r\nHost: {ip}:{port}\r\nConnection: close\r\n\r\n"
-                          .encode())
-                return _parse_http(_read_all(s))[1]
-            if mode in ("SINK", "ECHO"):
-                return _send_and_collect(s, mode, payload)
-            raise ValueError(f"unknown mode {mode!r} (WHO, HTTP, SINK, ECHO, HOLD)")
-
-    def http_get(self, src: str, ip: str, port: int, path: str = "/",
-                 timeout: float = 2.0) -> tuple[int, bytes]:
-        """A plain HTTP/1.1 GET from inside *src*: (status code, body)."""
-        with self.socket(src) as s:
-            s.settimeout(timeout)
-            s.connect((ip, port))
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: {ip}:{port}\r\nConnection: close\r\n\r\n"
-                      .encode())
-            status, body = _parse_http(_read_all(s), raw=True)
-            return status, body
-
-    def run(self, src: str, argv: Sequence[str], timeout: float = 10.0,
-            **kw: Any) -> subprocess.CompletedProcess[str]:
-        """Run a command inside *src*'s namespace (``ip netns exec``); output captured."""
-        return netns.run_in(self.ns(src), argv, timeout=timeout, **kw)
+    # ------------------------------------------------------------------ processes
 
     def spawn(self, src: str, argv: Sequence[str], role: str) -> int:
         """Start a long-lived process in *src*'s namespace that ``down`` will kill.
@@ -547,8 +334,8 @@ class Lab:
         logs to ``logs/<role>.log``, and is detached from the caller's session.
         """
         with self._mutating():
-            info = self._spawn(self.ns(src), list(argv), role, self.logs_dir / f"{role}.log")
-            self._extra.append(info)
+            info = self.procs.spawn(self.ns(src), list(argv), role, self.logs_dir / f"{role}.log")
+            self.procs.extra.append(info)
             return info.pid
 
     # ------------------------------------------------------------------ changes
@@ -580,7 +367,7 @@ class Lab:
                     if not rec.terminating:
                         doomed.append(self._pods.pop(name))
                         changes["deleted"].append(name)
-                elif rec.terminating or _needs_recreate(rec.spec, target):
+                elif rec.terminating or needs_recreate(rec.spec, target):
                     doomed.append(self._pods.pop(name))
                     changes["moved" if rec.spec.node != target.node else "updated"].append(name)
             if doomed:
@@ -597,7 +384,7 @@ class Lab:
                         changes["updated"].append(name)
                     continue
                 rec = self._create_pod_ns(target)
-                self._start_echo(rec)
+                self.procs.start_echo(rec, self.plan.pod_ns(rec.spec.name))
                 starting.append(rec)
                 if name not in changes["moved"] and name not in changes["updated"]:
                     changes["created"].append(name)
@@ -610,46 +397,8 @@ class Lab:
             self._wait_ready(starting, [])
             self._write_state()
             self._save()
-            self._lb_hook("apply")
+            self._lb_on_apply()
             return changes
-
-    def add_pod(self, name: str, node: str, labels: Mapping[str, str] | None = None,
-                port: int = 8080, *, ready: bool = True, namespace: str = "default",
-                port_name: str | None = None) -> str:
-        """Start a new pod; returns its IP."""
-        pod = PodSpec(name, node, dict(labels or {}), port, ready, namespace, port_name)
-        with self._mutating():
-            if name in self._pods:
-                raise LabError(f"pod {name} already exists")
-            self.apply(self.spec.revalidated(pods=(*self.spec.pods, pod)))
-            return self.pod_ip(name)
-
-    def remove_pod(self, name: str) -> None:
-        """Delete a pod at once (no terminating phase)."""
-        with self._mutating():
-            rec = self._pod(name)
-            if rec.terminating:
-                self._destroy_pod(name)
-                self._write_state()
-                self._save()
-                return
-            self.apply(self.spec.revalidated(pods=tuple(p for p in self.spec.pods
-                                                        if p.name != name)))
-
-    def move_pod(self, name: str, node: str) -> str:
-        """Reschedule a pod onto *node* (delete + create); returns its new IP."""
-        with self._mutating():
-            self._live_spec(name)
-            self.apply(self.spec.revalidated(pods=tuple(
-                replace(p, node=node) if p.name == name else p for p in self.spec.pods)))
-            return self.pod_ip(name)
-
-    def set_pod_ready(self, name: str, ready: bool) -> None:
-        """Flip the pod's Ready condition (a readiness probe starting or stopping to pass)."""
-        with self._mutating():
-            self._live_spec(name)
-            self.apply(self.spec.revalidated(pods=tuple(
-                replace(p, ready=ready) if p.name == name else p for p in self.spec.pods)))
 
     def update_service(self, service: Mapping[str, Any]) -> None:
         """Create or replace one Service (by namespace/name)."""
@@ -678,85 +427,14 @@ class Lab:
         (``down`` still kills it if it is still draining) until it exits.
         """
         with self._mutating():
-            old = self._proxies[node]
+            old = self.procs.proxies[node]
             if not old.alive():
                 raise LabError(f"kpx node on {node} (pid {old.pid}) is not running")
             os.kill(old.pid, signal.SIGTERM)
             self._start_proxy(node)
-            self._extra.append(replace(old, role=f"{old.role} (draining)"))
+            self.procs.extra.append(replace(old, role=f"{old.role} (draining)"))
             self._save()
-            return old.pid, self._proxies[node].pid
-
-    def _interrupt_proxies(self) -> None:
-        """SIGINT every ``kpx node``: stop now, without waiting for a successor.
-
-        SIGTERM would keep each accepting for its ``--handover-wait`` first,
-        in case a new one takes over; nothing will in a teardown.
-        """
-        procs = [*self._proxies.values(),
-                 *(p for p in self._extra if p.role.startswith("proxy/"))]
-        for p in procs:
-            if p.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGINT)
-
-    def delete_pod(self, name: str, grace: float = 30.0) -> None:
-        """Delete a pod gracefully: terminating for *grace* seconds, then gone.
-
-        While terminating its endpoint is ready=false, serving=<its readiness>,
-        terminating=true, and the echo server keeps answering, as a pod in its
-        grace period does. Returns at once; ``wait_pod_gone`` waits for the end.
-        A second delete can only shorten the grace period, as in Kubernetes.
-        """
-        with self._mutating():
-            rec = self._pod(name)
-            if grace <= 0:
-                self.remove_pod(name)
-                return
-            deadline = time.time() + grace
-            if rec.delete_at is not None:
-                deadline = min(deadline, rec.delete_at)
-            rec.terminating = True
-            rec.delete_at = deadline
-            self.spec = self.spec.revalidated(pods=tuple(p for p in self.spec.pods
-                                                         if p.name != name))
-            self._write_state()
-            self._save()
-            if not self._attached:
-                self._arm_timer(rec)
-
-    def finish_deletions(self) -> list[str]:
-        """Remove terminating pods whose grace period is over; returns their names."""
-        with self._mutating():
-            return self._finish_due()
-
-    def wait_pod_gone(self, name: str, timeout: float | None = None) -> None:
-        """Block until pod *name* no longer exists (default: its grace period + 5 s).
-
-        Each poll re-reads lab.json and finishes overdue deletions itself, so
-        this also works for a pod another process deleted, or in a process
-        that has no timer (``Lab.attach``), and returns only once the state
-        file no longer lists the pod.
-        """
-        rec = self._pods.get(name)
-        if timeout is None:
-            left = (rec.delete_at - time.time()) if rec and rec.delete_at else 0.0
-            timeout = max(left, 0.0) + 5.0
-
-        def gone() -> bool:
-            with contextlib.suppress(LabError):
-                self.finish_deletions()
-            return name not in self._pods
-
-        wait_until(gone, timeout, what=f"pod {name} to be gone")
-
-    def kill_pod(self, name: str) -> None:
-        """SIGKILL the pod's echo process (its endpoint stays published, as until a probe fails)."""
-        proc = self._pod(name).proc
-        if proc and proc.alive():
-            os.kill(proc.pid, signal.SIGKILL)
-            self._reap(proc.pid)
-            wait_until(lambda: not proc.alive(), 2.0, 0.01, f"pod {name}'s process to die")
+            return old.pid, self.procs.proxies[node].pid
 
     # ------------------------------------------------------------------ status
 
@@ -768,16 +446,16 @@ class Lab:
             ip = self.node_ip(node)
             entry: dict[str, Any] = {"name": node, "ip": ip, "ns": self.ns(node),
                                      "pod_cidr": topology.pod_cidr(self.plan.node_index(node))}
-            proc = self._proxies.get(node)
+            proc = self.procs.proxies.get(node)
             entry["proxy"] = {"pid": proc.pid if proc else None,
                               "alive": bool(proc and proc.alive())}
             if self.healthz_port:
-                entry["healthz"] = self._probe_http(node, ip, self.healthz_port, "/healthz",
+                entry["healthz"] = self.probe_http(node, ip, self.healthz_port, "/healthz",
                                                     probe_timeout)
             ss = self.run(node, ["ss", "-ltnH"], timeout=5)
             entry["listen"] = sorted({line.split()[3] for line in ss.stdout.splitlines()
                                       if len(line.split()) >= 4})
-            entry["services"] = {k: self._probe_http(node, ip, hc, "/", probe_timeout) | {
+            entry["services"] = {k: self.probe_http(node, ip, hc, "/", probe_timeout) | {
                 "hcPort": hc} for k, hc in hc_services}
             nodes.append(entry)
         pods = [{"name": r.spec.name, "node": r.spec.node, "ip": r.ip, "port": r.spec.port,
@@ -798,21 +476,6 @@ class Lab:
         return {"name": self.prefix, "run_dir": str(self.run_dir),
                 "state": str(self.state_path), "client_ip": self.client_ip, "nodes": nodes,
                 "pods": pods, "services": services, "loadBalancer": self._lb_status()}
-
-    def _probe_http(self, node: str, ip: str, port: int, path: str,
-                    timeout: float) -> dict[str, Any]:
-        try:
-            code, body = self.http_get(node, ip, port, path, timeout)
-        except (OSError, ValueError) as exc:
-            return {"error": describe_error(exc)}
-        out: dict[str, Any] = {"status": code}
-        try:
-            out["body"] = json.loads(body)
-        except ValueError:
-            out["body"] = body.decode(errors="replace").strip()
-        if isinstance(out["body"], dict) and "localEndpoints" in out["body"]:
-            out["localEndpoints"] = out["body"]["localEndpoints"]
-        return out
 
     # ------------------------------------------------------------------ internals
 
@@ -867,123 +530,13 @@ class Lab:
                 sp.pop("healthCheckNodePort")
         return LabSpec.from_dict(raw, "apply", check_lb_service=False)
 
-    def _pod(self, name: str) -> PodRecord:
-        try:
-            return self._pods[name]
-        except KeyError:
-            raise KeyError(f"no pod {name!r} (pods: {', '.join(self._pods) or '-'})") from None
-
-    def _live_spec(self, name: str) -> PodSpec:
-        spec = self.spec.pod(name)
-        if spec is None:
-            rec = self._pod(name)
-            raise LabError(f"pod {name} is terminating" if rec.terminating else
-                           f"pod {name} is not in the lab spec")
-        return spec
-
-    def _create_pod_ns(self, spec: PodSpec) -> PodRecord:
-        used = {r.slot for r in self._pods.values() if r.spec.node == spec.node}
-        slot = next(k for k in range(1, 245) if k not in used)
-        ns = self.plan.pod_ns(spec.name)
-        if ns not in self._namespaces:
-            self._namespaces.append(ns)
-        self._save()  # record the namespace before it exists: a crash here still cleans up
-        ip = topology.add_pod(self.plan, spec.name, spec.node, slot)
-        rec = PodRecord(spec=spec, ip=ip, slot=slot, uid=str(uuid.uuid4()))
-        self._pods[spec.name] = rec
-        return rec
-
-    def _destroy_pod(self, name: str) -> None:
-        self._destroy_record(self._pods.pop(name))
-
-    def _destroy_record(self, rec: PodRecord) -> None:
-        """Stop a pod's processes and unplug its namespace (already out of ``_pods``)."""
-        name = rec.spec.name
-        timer = self._timers.pop(name, None)
-        if timer:
-            timer.cancel()
-        ns = self.plan.pod_ns(name)
-        pids = netns.pids_in([ns])[ns]
-        if rec.proc and rec.proc.alive():
-            pids.append(rec.proc.pid)
-        netns.kill_all(sorted(set(pids)), grace=0.5)
-        if rec.proc:
-            self._reap(rec.proc.pid)
-        topology.remove_pod(self.plan, name, rec.spec.node, rec.slot)
-        if ns in self._namespaces:
-            self._namespaces.remove(ns)
-
-    def _finish_due(self) -> list[str]:
-        now = time.time()
-        due = [n for n, r in self._pods.items() if r.terminating and r.delete_at is not None
-               and r.delete_at <= now]
-        for n in due:
-            self._destroy_pod(n)
-        if due:
-            self._write_state()
-            self._save()
-        return due
-
-    def _arm_timer(self, rec: PodRecord) -> None:
-        old = self._timers.pop(rec.spec.name, None)
-        if old:
-            old.cancel()
-        delay = max(0.0, (rec.delete_at or 0) - time.time())
-        uid = rec.uid
-
-        def fire() -> None:
-            with self._lock:
-                cur = self._pods.get(rec.spec.name)
-                if cur is None or cur.uid != uid or self._status == "down":
-                    return
-                try:
-                    self._finish_due()
-                except Exception:  # a timer thread has nobody to raise to
-                    log.exception("lab %s: finishing deletion of %s failed", self.prefix,
-                                  rec.spec.name)
-
-        t = threading.Timer(delay + 0.001, fire)
-        t.daemon = True
-        self._timers[rec.spec.name] = t
-        t.start()
-
-    def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        # Children must import this very checkout, whatever their cwd.
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        return env
-
-    def _spawn(self, ns: str, argv: list[str], role: str, log_path: Path) -> ProcInfo:
-        with open(log_path, "ab") as f:
-            f.write(f"--- {time.strftime('%H:%M:%S')} lab: starting {' '.join(argv)}\n"
-                    .encode())
-        p = netns.popen_in(ns, argv, log_path, env=self._child_env())
-        self._popen[p.pid] = p
-        return ProcInfo(pid=p.pid, start=netns.pid_start_time(p.pid), ns=ns, role=role,
-                        log=str(log_path), argv=argv)
-
-    def _start_echo(self, rec: PodRecord) -> None:
-        argv = [sys.executable, "-m", "lab.echo", "--name", rec.spec.name, "--node",
-                rec.spec.node, "--port", str(rec.spec.port)]
-        rec.proc = self._spawn(self.plan.pod_ns(rec.spec.name), argv, f"pod/{rec.spec.name}",
-                               self.logs_dir / f"pod-{rec.spec.name}.log")
-
     def proxy_argv(self, node: str) -> list[str]:
         """The ``kpx node`` command line the lab runs on *node*."""
-        argv = [sys.executable, "-m", "proxy", "node", "--hostname-override", node,
-                "--state", str(self.state_path)]
-        extra = list(self.extra_proxy_args)
-        if self.healthz_port and "--healthz-bind-address" not in extra:
-            argv += ["--healthz-bind-address", f"0.0.0.0:{self.healthz_port}"]
-        if self.metrics_port and "--metrics-bind-address" not in extra:
-            argv += ["--metrics-bind-address", f"127.0.0.1:{self.metrics_port}"]
-        return argv + extra
+        return proxy_argv(node, self.state_path, self.extra_proxy_args, self.healthz_port,
+                          self.metrics_port)
 
     def _start_proxy(self, node: str) -> None:
-        self._proxies[node] = self._spawn(self.plan.node_ns(node), self.proxy_argv(node),
-                                          f"proxy/{node}", self.logs_dir / f"{node}.log")
+        self.procs.start_proxy(node, self.plan.node_ns(node), self.proxy_argv(node))
 
     def _wait_ready(self, pods: Sequence[PodRecord], proxies: Sequence[str]) -> None:
         """Wait, in parallel and bounded, for echo servers and proxies to be ready.
@@ -997,79 +550,29 @@ class Lab:
         tests poll for the behaviour they need anyway. A process that exits
         is an error, with the tail of its log in the message.
         """
-        waits: list[tuple[str, ProcInfo, Callable[[], bool], bool]] = []
+        waits: list[Readiness] = []
         for rec in pods:
             assert rec.proc is not None
             ns, ip, port = self.plan.pod_ns(rec.spec.name), rec.ip, rec.spec.port
-            waits.append((f"pod {rec.spec.name} (port {port})", rec.proc,
-                          functools.partial(_can_connect, ns, ip, port), True))
-        hz = self._proxy_healthz_port()
+            waits.append(Readiness(f"pod {rec.spec.name} (port {port})", rec.proc,
+                                   functools.partial(can_connect, ns, ip, port), True))
+        hz = proxy_healthz_port(self.extra_proxy_args, self.healthz_port)
         if self.wait_proxies and hz:
             for node in proxies:
                 ns, ip = self.plan.node_ns(node), self.node_ip(node)
-                waits.append((f"kpx node on {node} (/healthz on {hz})", self._proxies[node],
-                              functools.partial(_http_ok, ns, ip, hz, "/healthz"), False))
-        deadline = time.monotonic() + self.ready_timeout
-        pending = list(waits)
-        while pending:
-            still = []
-            for w in pending:
-                what, proc, ready, _hard = w
-                if not proc.alive():
-                    self._reap(proc.pid)
-                    raise LabError(f"{what} exited during start-up; {proc.log}:\n"
-                                   + _tail(proc.log))
-                if not ready():
-                    still.append(w)
-            pending = still
-            if not pending:
-                break
-            if time.monotonic() >= deadline:
-                hard = [w for w in pending if w[3]]
-                if hard:
-                    raise LabError(f"{hard[0][0]} not ready after {self.ready_timeout:.0f}s;"
-                                   f" {hard[0][1].log}:\n" + _tail(hard[0][1].log))
-                log.warning("lab %s: not ready after %.0fs: %s", self.prefix,
-                            self.ready_timeout, ", ".join(w[0] for w in pending))
-                break
-            time.sleep(0.02)
-
-    def _proxy_healthz_port(self) -> int | None:
-        extra = list(self.extra_proxy_args)
-        if "--no-healthz" in extra:
-            return None
-        if "--healthz-bind-address" in extra:
-            i = extra.index("--healthz-bind-address")
-            with contextlib.suppress(IndexError, ValueError):
-                return int(extra[i + 1].rsplit(":", 1)[1])
-            return None
-        return self.healthz_port
-
-    def _reap(self, pid: int) -> None:
-        """Collect a child we started, so it does not linger as a zombie."""
-        p = self._popen.pop(pid, None)
-        if p is not None:
-            with contextlib.suppress(Exception):
-                p.wait(timeout=1)
+                waits.append(Readiness(f"kpx node on {node} (/healthz on {hz})",
+                                       self.procs.proxies[node],
+                                       functools.partial(http_ok, ns, ip, hz, "/healthz"),
+                                       False))
+        self.procs.wait_ready(waits, self.ready_timeout, self.prefix)
 
     def _node_infos(self) -> list[NodeInfo]:
         return [NodeInfo(n, self.node_ip(n), topology.pod_cidr(self.plan.node_index(n)))
                 for n in self.spec.nodes]
 
     def _write_state(self) -> None:
-        pods = [PodState(name=r.spec.name, node=r.spec.node, ip=r.ip, labels=r.spec.labels,
-                         port=r.spec.port, port_name=r.spec.port_name, ready=r.spec.ready,
-                         terminating=r.terminating, namespace=r.spec.namespace, uid=r.uid)
-                for r in self._pods.values()]
-        fps = slice_fingerprints(endpoint_slices(self._services, pods))
-        self._triggers = stamp_trigger_times(self._fingerprints, self._triggers, fps, time.time())
-        self._fingerprints = fps
-        slices = endpoint_slices(self._services, pods, self._triggers)
-        write_state(self.state_path, state_documents(self._node_infos(), self._services, slices))
-
-    def _tracked_procs(self) -> list[ProcInfo]:
-        procs = [r.proc for r in self._pods.values() if r.proc]
-        return [*procs, *self._proxies.values(), *self._extra]
+        self.state_file.publish(self._node_infos(), self._services,
+                                [r.to_state() for r in self._pods.values()])
 
     def _save(self) -> None:
         data = {
@@ -1089,13 +592,13 @@ class Lab:
             "namespaces": self._namespaces,
             "nodes": {n: {"ns": self.plan.node_ns(n), "ip": self.node_ip(n),
                           "pod_cidr": topology.pod_cidr(self.plan.node_index(n)),
-                          "proxy": asdict(self._proxies[n]) if n in self._proxies else None}
+                          "proxy": asdict(proxy) if (proxy := self.procs.proxies.get(n)) else None}
                       for n in self.spec.nodes},
             "pods": {n: r.to_json() for n, r in self._pods.items()},
             "services": self._services,
-            "extra_processes": [asdict(p) for p in self._extra],
-            "triggers": self._triggers,
-            "fingerprints": self._fingerprints,
+            "extra_processes": [asdict(p) for p in self.procs.extra],
+            "triggers": self.state_file.triggers,
+            "fingerprints": self.state_file.fingerprints,
         }
         write_atomic(self.run_dir / LAB_JSON, json.dumps(data, indent=1) + "\n")
 
@@ -1106,132 +609,49 @@ class Lab:
         self._namespaces = list(data.get("namespaces", []))
         self._pods = {n: PodRecord.from_json(d) for n, d in data.get("pods", {}).items()}
         self._services = list(data.get("services", []))
-        self._proxies = {n: ProcInfo(**d["proxy"]) for n, d in data.get("nodes", {}).items()
-                         if d.get("proxy")}
-        self._extra = [ProcInfo(**d) for d in data.get("extra_processes", [])]
-        self._triggers = dict(data.get("triggers", {}))
-        self._fingerprints = dict(data.get("fingerprints", {}))
+        self.procs.proxies = {n: ProcInfo(**d["proxy"])
+                              for n, d in data.get("nodes", {}).items() if d.get("proxy")}
+        self.procs.extra = [ProcInfo(**d) for d in data.get("extra_processes", [])]
+        self.state_file.triggers = dict(data.get("triggers", {}))
+        self.state_file.fingerprints = dict(data.get("fingerprints", {}))
 
-    def _teardown_previous(self) -> None:
-        """Whatever an earlier lab with this prefix left: its lab.json and its namespaces."""
-        tracked: list[ProcInfo] = []
-        namespaces: list[str] = []
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            old = json.loads((self.run_dir / LAB_JSON).read_text())
-            namespaces = list(old.get("namespaces", []))
-            for d in old.get("nodes", {}).values():
-                if d.get("proxy"):
-                    tracked.append(ProcInfo(**d["proxy"]))
-            for d in old.get("pods", {}).values():
-                if d.get("proc"):
-                    tracked.append(ProcInfo(**d["proc"]))
-            tracked += [ProcInfo(**d) for d in old.get("extra_processes", [])]
-        if tracked or namespaces or any(n.startswith(self.prefix + "-")
-                                        for n in netns.list_namespaces()):
-            log.info("lab %s: removing an earlier lab with this prefix", self.prefix)
-            _teardown(self.prefix, namespaces, tracked, self.stop_grace)
-
-    # ------------------------------------------------------------------ LB hook
+    # ------------------------------------------------------------------ load balancer
 
     def _start_lb(self) -> None:
-        mod = _lb_module()
-        if mod is None or not hasattr(mod, "start"):
-            log.info("lab %s: has a loadBalancer section but lab.loadbalancer is not"
-                     " available; no LB started", self.prefix)
-            return
-        handle = mod.start(self)
+        handle = lb_control.start(self)
         self.lb_handle = handle
-        pid = getattr(handle, "pid", None)
-        if isinstance(pid, int):
-            self._extra.append(ProcInfo(pid=pid, start=netns.pid_start_time(pid),
-                                        ns=self.plan.lb, role="lb",
-                                        log=str(self.logs_dir / "lb.log")))
-            self._save()
+        self.procs.extra.append(ProcInfo(pid=handle.pid, start=netns.pid_start_time(handle.pid),
+                                         ns=self.plan.lb, role="lb",
+                                         log=str(self.logs_dir / "lb.log")))
+        self._save()
 
     def _stop_lb(self) -> None:
         handle, self.lb_handle = self.lb_handle, None
-        if handle is not None and hasattr(handle, "stop"):
+        if handle is not None:
             try:
                 handle.stop()
             except Exception:
                 log.exception("lab %s: stopping the load balancer failed", self.prefix)
 
-    def _lb_hook(self, event: str) -> None:
-        """Tell the LB module about a change, if it wants to know (``on_apply(lab)``)."""
-        mod = _lb_module()
-        fn = getattr(mod, f"on_{event}", None) if mod is not None else None
-        if fn is not None and self.spec.load_balancer is not None:
+    def _lb_on_apply(self) -> None:
+        """Tell the LB about an applied change (new ports, nodes or section)."""
+        if self.spec.load_balancer is not None:
             try:
-                fn(self)
+                lb_control.on_apply(self)
             except Exception:
-                log.exception("lab %s: load balancer hook on_%s failed", self.prefix, event)
+                log.exception("lab %s: load balancer hook on_apply failed", self.prefix)
 
     def _lb_status(self) -> Any:
-        """HOOK (lab.loadbalancer): per-node probe results for ``kpx lab status``.
-
-        None when the lab has no LB section, or the module provides no status.
-        """
+        """Per-node probe results for ``kpx lab status``; None when the lab has no LB."""
         if self.spec.load_balancer is None:
             return None
-        mod = _lb_module()
-        fn = getattr(mod, "status", None) if mod is not None else None
-        if fn is None:
-            return None
         try:
-            return fn(self.run_dir)
+            return lb_control.status(self.run_dir)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-# ---------------------------------------------------------------------- helpers
-
-
-def _lb_module() -> Any:
-    if importlib.util.find_spec("lab.loadbalancer") is None:
-        return None
-    return importlib.import_module("lab.loadbalancer")
-
-
-def _needs_recreate(old: PodSpec, new: PodSpec) -> bool:
-    return (old.node, old.port, old.namespace, old.port_name) != (
-        new.node, new.port, new.namespace, new.port_name)
-
-
-def _teardown(prefix: str, namespaces: Sequence[str], tracked: Sequence[ProcInfo],
-              grace: float) -> None:
-    """Kill every lab process and remove every lab namespace, trusting nothing.
-
-    Processes are found three ways: the record (checked against the pid's
-    start time, so a recycled pid is never killed), and a scan of /proc for
-    anything living in one of the lab's namespaces. Namespaces are the record
-    plus every ``<prefix>-*`` under /run/netns.
-    """
-    names = sorted(set(namespaces) | {n for n in netns.list_namespaces()
-                                      if n.startswith(prefix + "-")})
-    pids = {p.pid for p in tracked if p.alive()}
-    for _ in range(5):
-        for found in netns.pids_in(names).values():
-            pids.update(found)
-        pids.discard(os.getpid())
-        if not pids:
-            break
-        netns.kill_all(sorted(pids), grace=grace)
-        pids = set()  # rescan: a process may have entered a namespace meanwhile
-    for n in names:
-        try:
-            netns.remove(n)
-        except OSError as exc:
-            log.warning("could not remove namespace %s: %s", n, exc)
-    left = [n for n in netns.list_namespaces() if n in names]
-    if left:
-        raise LabError(f"namespaces still present after teardown: {', '.join(left)}")
-
-
-def sweep(prefix: str, grace: float = 2.0) -> None:
-    """Remove every ``<prefix>-*`` namespace and every process living in one, no questions."""
-    if not PREFIX_RE.match(prefix):
-        raise ValueError(f"bad lab prefix {prefix!r}")
-    _teardown(prefix, [], [], grace)
+# ---------------------------------------------------------------------- by name
 
 
 def teardown_by_name(prefix: str, run_dir: Path | None = None, grace: float = 2.0) -> list[str]:
@@ -1247,125 +667,18 @@ def teardown_by_name(prefix: str, run_dir: Path | None = None, grace: float = 2.
         lab = Lab.attach(run_dir)
     except (LabError, KeyError, TypeError, ValueError) as exc:
         log.info("lab %s: %s; sweeping by prefix", prefix, exc)
-        lock = _RunDirLock(run_dir / ".lock")
-        with lock:
-            _teardown(prefix, [], [], grace)
-            for name in (LAB_JSON, STATE_FILE):
-                with contextlib.suppress(FileNotFoundError):
-                    (run_dir / name).unlink()
+        with RunDirLock(run_dir / ".lock"):
+            teardown(prefix, [], [], grace)
+            remove_record(run_dir)
     else:
         if lab.prefix != prefix:
             log.warning("lab.json in %s names prefix %s; removing that too", run_dir,
                         lab.prefix)
-            _teardown(prefix, [], [], grace)
+            teardown(prefix, [], [], grace)
         lab.down()
     return before
 
 
-def _can_connect(ns: str, ip: str, port: int) -> bool:
-    try:
-        s = netns.socket_in(ns)
-    except OSError:
-        return False
-    try:
-        s.settimeout(0.2)
-        s.connect((ip, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def _http_ok(ns: str, ip: str, port: int, path: str) -> bool:
-    """True if GET *path* inside *ns* answers 200 (an HTTP/1.0 request: one read to EOF)."""
-    try:
-        s = netns.socket_in(ns)
-    except OSError:
-        return False
-    try:
-        s.settimeout(0.5)
-        s.connect((ip, port))
-        s.sendall(f"GET {path} HTTP/1.0\r\nHost: {ip}:{port}\r\n\r\n".encode())
-        return _read_all(s).startswith((b"HTTP/1.0 200", b"HTTP/1.1 200"))
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
-def _tail(path: str | Path, lines: int = 20) -> str:
-    return "\n".join(_read_text(Path(path)).splitlines()[-lines:])
-
-
-def _read_line(s: socket.socket, limit: int = 1 << 20) -> bytes:
-    buf = bytearray()
-    while b"\n" not in buf:
-        chunk = s.recv(65536)
-        if not chunk:
-            raise NoReply(f"connection closed after {len(buf)} bytes without a full line")
-        buf += chunk
-        if len(buf) > limit:
-            raise ValueError("reply line too long")
-    return bytes(buf[:buf.index(b"\n") + 1])
-
-
-def _read_all(s: socket.socket) -> bytes:
-    chunks = []
-    while True:
-        chunk = s.recv(1 << 16)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
-def _parse_http(data: bytes, raw: bool = False) -> tuple[int, Any]:
-    """(status, JSON body) of a complete HTTP response; (status, bytes) if *raw*."""
-    head, sep, body = data.partition(b"\r\n\r\n")
-    if not sep:
-        raise NoReply(f"incomplete HTTP response ({len(data)} bytes)")
-    status = int(head.split(b" ", 2)[1])
-    return (status, body) if raw else (status, json.loads(body))
-
-
-def _send_and_collect(s: socket.socket, mode: str, payload: bytes) -> dict[str, Any]:
-    """Send concurrently with receiving: a big ECHO would deadlock otherwise."""
-    import hashlib
-
-    errors: list[BaseException] = []
-
-    def sender() -> None:
-        try:
-            s.sendall(mode.encode() + b"\n")
-            view = memoryview(payload)
-            for i in range(0, len(view), 1 << 20):
-                s.sendall(view[i:i + (1 << 20)])
-            s.shutdown(socket.SHUT_WR)
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-
-    t = threading.Thread(target=sender, daemon=True)
-    t.start()
-    try:
-        if mode == "SINK":
-            reply: dict[str, Any] = json.loads(_read_line(s))
-        else:
-            data = _read_all(s)
-            reply = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                     "data": data}
-    finally:
-        t.join(timeout=5)
-    if errors:
-        raise errors[0]
-    return reply
-
-
-__all__ = ["Lab", "LabError", "NoReply", "default_run_dir", "sweep", "teardown_by_name",
-           "wait_until"]
+__all__ = ["DEFAULT_NAME", "HEALTHZ_PORT", "LAB_JSON", "METRICS_PORT", "PREFIX_RE", "RUN_DIR_ENV",
+           "STATE_FILE", "Lab", "LabError", "NoReply", "default_run_dir", "sweep",
+           "teardown_by_name", "wait_until"]

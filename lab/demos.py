@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
 from lab import loadbalancer as lbm
+from lab.common import poll
 
 DEFAULT_PREFIX = "kdemo"
 REQUEST_TIMEOUT = 1.5
@@ -175,22 +176,6 @@ def http_get(
     if len(parts) < 2 or not parts[1].isdigit():
         return None, "", "not HTTP"
     return int(parts[1]), body.decode(errors="replace"), f"HTTP {int(parts[1])}"
-
-
-def wait_for(
-    check: Callable[[], Any], timeout: float, interval: float = 0.05
-) -> tuple[Any, float]:
-    """Poll *check* until it returns something truthy or the deadline passes.
-
-    Returns (last value, elapsed seconds). Demos report the elapsed time as a
-    measurement, so the poll interval is small compared with what it measures.
-    """
-    start = time.monotonic()
-    value = check()
-    while not value and time.monotonic() - start < timeout:
-        time.sleep(interval)
-        value = check()
-    return value, time.monotonic() - start
 
 
 def wait_node_ports(lab: Any, timeout: float = 5.0) -> list[str]:
@@ -394,7 +379,7 @@ def local_drop(*, prefix: str = f"{DEFAULT_PREFIX}1", run_dir: Path | None = Non
             v = lb_view(lab.run_dir)
             return all(v.get(n, {}).get("healthy") == up for n, up in expected.items())
 
-        wait_for(settled, 5.0)
+        poll(settled, 5.0)
         view = lb_view(lab.run_dir)
         for node, st in view.items():
             verdict = say.c("passing", "green") if st["healthy"] else say.c("failing", "red")
@@ -455,7 +440,7 @@ def healthcheck(*, prefix: str = f"{DEFAULT_PREFIX}2", run_dir: Path | None = No
         claims.check("node2 and node3 answer 503 with 0", all(
             facts["health"][n] == {"status": 503, "localEndpoints": 0} for n in names[1:]))
 
-        wait_for(lambda: lb_serving(lab) == ["node1"], 5.0)
+        poll(lambda: lb_serving(lab) == ["node1"], 5.0)
         view = lb_view(lab.run_dir)
         say.step(f"the LB probes HTTP GET :{hc}/healthz every {PROBE['interval']} s:")
         for node, st in view.items():
@@ -475,10 +460,10 @@ def healthcheck(*, prefix: str = f"{DEFAULT_PREFIX}2", run_dir: Path | None = No
         say.step(f"moving pod web-1 from node1 to {names[1]} ...")
         start = time.monotonic()
         lab.move_pod("web-1", names[1])
-        wait_for(lambda: http_get(lab, "client", lab.node_ip(names[1]), hc, "/healthz",
+        poll(lambda: http_get(lab, "client", lab.node_ip(names[1]), hc, "/healthz",
                                   timeout)[0] == 200, 10.0)
         hc_flip = time.monotonic() - start
-        wait_for(lambda: lb_serving(lab) == [names[1]], 15.0)
+        poll(lambda: lb_serving(lab) == [names[1]], 15.0)
         shifted = time.monotonic() - start
         facts["lb_after"] = lb_serving(lab)
         facts["hc_flip_seconds"] = round(hc_flip, 3)
