@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from proxy.k8s import subset
+
 settings.register_profile(
     "kpx-unit",
     derandomize=True,
@@ -161,3 +163,12 @@ def make_state() -> Callable[[int, int, int], dict[str, Any]]:
 @pytest.fixture(scope="session")
 def make_state_yaml() -> Callable[[int, int, int], str]:
     return generate_state_yaml
+
+
+@pytest.fixture(scope="module", params=["fast", "pyyaml"])
+def yaml_reader(request: pytest.FixtureRequest) -> str:
+    """Runs a module's tests once per YAML reader: the fast subset reader first (the
+    default), then PyYAML for every chunk (``KPX_NO_FAST_YAML``). Answers must not differ."""
+    was = subset.use_fast_yaml(request.param == "fast")
+    request.addfinalizer(lambda: subset.use_fast_yaml(was))
+    return str(request.param)

@@ -14,15 +14,19 @@ import re
 import pytest
 
 from bench import k8s_state
-from proxy import k8s
-from proxy.k8s import StateError, StateParser, parse_state
+from proxy.k8s import StateError, StateParser, link, parse_state, stream
+
+
+def _pieces(monkeypatch: pytest.MonkeyPatch, scan: int, batch: int, free_at_once: int) -> None:
+    monkeypatch.setattr(stream, "_SCAN_PIECE", scan)
+    for module in (link, stream):  # ``stream`` uses ``link``'s, under the same name.
+        monkeypatch.setattr(module, "_BATCH", batch)
+    monkeypatch.setattr(stream, "_FREE_AT_ONCE", free_at_once)
 
 
 @pytest.fixture
 def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(k8s, "_SCAN_PIECE", 5)
-    monkeypatch.setattr(k8s, "_BATCH", 3)
-    monkeypatch.setattr(k8s, "_FREE_AT_ONCE", 4)
+    _pieces(monkeypatch, scan=5, batch=3, free_at_once=4)
 
 
 TEXTS = [
@@ -49,7 +53,7 @@ def test_find_in_pieces_is_str_find(sub: str) -> None:
     for text in TEXTS + _random_texts(200):
         for start in range(0, len(text) + 2, 3):
             for end in (len(text), len(text) - 1, start + 7, start):
-                assert k8s._find(text, sub, start, end) == text.find(sub, start, end), (
+                assert stream._find(text, sub, start, end) == text.find(sub, start, end), (
                     text, start, end)
 
 
@@ -60,12 +64,12 @@ def test_marker_ends_in_pieces_are_finditer_over_the_whole() -> None:
         for start in range(0, len(text) + 1, 2):
             for end in {len(text), max(start, len(text) - 2), min(len(text), start + 6)}:
                 whole = [m.end() for m in marker.finditer(text, start, end)]
-                assert k8s._marker_ends(text, start, end) == whole, (text, start, end)
+                assert stream._marker_ends(text, start, end) == whole, (text, start, end)
 
 
 @pytest.mark.usefixtures("tiny_pieces")
 def test_tally_in_batches_counts_as_one_pass() -> None:
-    tally = k8s._Tally()
+    tally = link._Tally()
     tally.add(["a", "b", "c", "d"])  # all new: the fast path, in two batches
     assert tally.counts == {"a": 1, "b": 1, "c": 1, "d": 1} and tally.repeated == 0
     tally.add(["e", "a", "f", "a", "g", "h", "h"])
@@ -80,7 +84,7 @@ def test_let_go_empties_only_big_containers() -> None:
     small, big = {1: 1, 2: 2}, {i: str(i) for i in range(11)}
     small_list, big_list = [1, 2, 3], list(range(10))
     for items in (small, big, small_list, big_list):
-        k8s._let_go(items)
+        stream._let_go(items)
     assert small == {1: 1, 2: 2} and small_list == [1, 2, 3]
     assert big == {} and big_list == []
 
@@ -108,9 +112,7 @@ def test_a_parse_in_tiny_pieces_is_the_same_parse(monkeypatch: pytest.MonkeyPatc
     parser = StateParser()
     expected_incremental = [_outcome_with(parser, text) for text in (good, twice, good)]
 
-    monkeypatch.setattr(k8s, "_SCAN_PIECE", 7)
-    monkeypatch.setattr(k8s, "_BATCH", 2)
-    monkeypatch.setattr(k8s, "_FREE_AT_ONCE", 3)
+    _pieces(monkeypatch, scan=7, batch=2, free_at_once=3)
     assert [_outcome(text) for text in texts] == expected
     parser = StateParser()
     assert [_outcome_with(parser, text) for text in (good, twice, good)] == expected_incremental

@@ -34,11 +34,14 @@ import pytest
 import yaml
 
 from proxy import k8s
-from proxy.k8s import StateError, StateParser, decode_state, parse_file, parse_state
+from proxy.k8s import StateError, StateParser, decode, decode_state, fields, parse_file, parse_state
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE_SIZE = 100_000
 """About the size of the file that crashed ``kpx node`` in the issue."""
+
+pytestmark = pytest.mark.usefixtures("yaml_reader")
+"""Every test runs over both YAML readers: the fast subset reader, and PyYAML alone."""
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -56,7 +59,7 @@ def first_too_deep(text: str) -> str:
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, yaml.CollectionStartEvent):
             depth += 1
-            if depth > k8s._MAX_DEPTH:
+            if depth > decode._MAX_DEPTH:
                 mark = event.start_mark
                 return f"line {mark.line + 1}, column {mark.column + 1}"
         elif isinstance(event, yaml.CollectionEndEvent):
@@ -129,11 +132,11 @@ reader, not PyYAML, which must decline them so that they are measured."""
 def unbounded_loader() -> Iterator[None]:
     """PyYAML's pure-Python loader in place of libyaml's: no nesting limit, and a
     recursive composer that would fail (RecursionError) if the guard let a text through."""
-    with mock.patch.object(k8s, "_LOADER", yaml.SafeLoader):
+    with mock.patch.object(decode, "_LOADER", yaml.SafeLoader):
         yield
 
 
-GUARD = f"more than {k8s._MAX_DEPTH} levels of collections"
+GUARD = f"more than {decode._MAX_DEPTH} levels of collections"
 
 
 @pytest.mark.parametrize("text", HOSTILE.values(), ids=HOSTILE.keys())
@@ -161,11 +164,11 @@ def test_the_guard_runs_before_the_loader(unbounded_loader: None) -> None:
         seen.append(stream)
         return real(stream, Loader=Loader)
 
-    with mock.patch.object(k8s.yaml, "load_all", spy):
+    with mock.patch.object(yaml, "load_all", spy):
         for text in HOSTILE.values():
             with pytest.raises(StateError):
                 parse_state(text)
-    assert all(depth_of(s) <= k8s._MAX_DEPTH for s in seen), "a deep text reached the loader"
+    assert all(depth_of(s) <= decode._MAX_DEPTH for s in seen), "a deep text reached the loader"
 
 
 def test_a_parser_keeps_working_after_a_deep_state(unbounded_loader: None) -> None:
@@ -195,7 +198,7 @@ def _nested_state(depth: int, flow: bool) -> str:
 
 @pytest.mark.parametrize("flow", [True, False], ids=["flow", "block"])
 def test_the_limit_is_exact_and_the_same_on_every_road(flow: bool) -> None:
-    limit = k8s._MAX_DEPTH
+    limit = decode._MAX_DEPTH
     at_limit = _nested_state(limit, flow)
     assert depth_of(at_limit) == limit
     snap = parse_state(at_limit)
@@ -216,7 +219,7 @@ def test_deep_json_becomes_a_state_error() -> None:
         json.loads(text)
     [problem] = problems(text)
     assert GUARD in problem or "exceeded maximum nesting depth" in problem
-    with mock.patch.object(k8s, "_LOADER", yaml.SafeLoader):
+    with mock.patch.object(decode, "_LOADER", yaml.SafeLoader):
         [problem] = problems(text)
         assert problem.startswith(f"YAML nested too deep at {first_too_deep(text)}: {GUARD}")
 
@@ -224,8 +227,8 @@ def test_deep_json_becomes_a_state_error() -> None:
 def test_the_cheap_bound_holds_on_its_worst_cases() -> None:
     """Texts the cheap test passes (``_could_nest_deeply`` False) as deep as the bound
     allows stay within ``_MAX_DEPTH``: the bound the docstring argues, measured."""
-    prefix = k8s._SHALLOW_INDENT - 1
-    openers = k8s._SHALLOW_OPENERS
+    prefix = decode._SHALLOW_INDENT - 1
+    openers = decode._SHALLOW_OPENERS
     flow = "[a: " * openers + "b" + "]" * openers
     worst = [
         # Indentation, then compact indicators, then flow pairs, all at their maxima.
@@ -235,35 +238,39 @@ def test_the_cheap_bound_holds_on_its_worst_cases() -> None:
         "\ufeff" + "? " * (prefix // 2) + flow,
     ]
     for text in worst:
-        assert not k8s._could_nest_deeply(text), text[:80]
-        assert depth_of(text) <= k8s._MAX_DEPTH
+        assert not decode._could_nest_deeply(text), text[:80]
+        assert depth_of(text) <= decode._MAX_DEPTH
     # One step past either threshold and the exact measure takes over.
-    assert k8s._could_nest_deeply("[" * (openers + 1))
-    assert k8s._could_nest_deeply("a: b\n" + " " * k8s._SHALLOW_INDENT + "c: d\n")
-    assert k8s._could_nest_deeply("a: b\r\ufeff" + "- " * (k8s._SHALLOW_INDENT // 2) + "x")
+    assert decode._could_nest_deeply("[" * (openers + 1))
+    assert decode._could_nest_deeply("a: b\n" + " " * decode._SHALLOW_INDENT + "c: d\n")
+    assert decode._could_nest_deeply("a: b\r\ufeff" + "- " * (decode._SHALLOW_INDENT // 2) + "x")
 
 
 def test_big_states_never_pay_for_the_exact_measure(
     make_state: Callable[[int, int, int], dict[str, Any]],
     make_state_yaml: Callable[[int, int, int], str],
+    yaml_reader: str,
 ) -> None:
     """The exact measure costs a tenth of a PyYAML decode; ordinary states skip it
     (the subset reader and ``json`` never need it, PyYAML's chunks pass the cheap test)."""
     items = make_state(300, 3, 5)["items"]
     texts = [
-        make_state_yaml(300, 3, 5),
         json.dumps(make_state(300, 3, 5)),
         "---\n".join(yaml.safe_dump(item, default_flow_style=True) for item in items),
     ]
+    if yaml_reader == "fast":
+        # One block-style List: with the fast reader off, PyYAML reads it whole, and
+        # its 300 ``{}`` are more brackets than the cheap test clears.
+        texts.append(make_state_yaml(300, 3, 5))
     calls = 0
-    real = k8s._too_deep
+    real = decode._too_deep
 
     def counted(text: str) -> Any:
         nonlocal calls
         calls += 1
         return real(text)
 
-    with mock.patch.object(k8s, "_too_deep", counted):
+    with mock.patch.object(decode, "_too_deep", counted):
         for text in texts:
             assert len(parse_state(text).services) == 300
     assert calls == 0
@@ -315,11 +322,12 @@ def kpx_check(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[st
     "name", ["flow-sequences", "flow-mappings", "block-sequences", "block-keys", "json-objects"]
 )
 def test_kpx_check_survives_deep_nesting(
-    name: str, pyyaml_env: dict[str, str], tmp_path: Path
+    name: str, pyyaml_env: dict[str, str], tmp_path: Path, yaml_reader: str
 ) -> None:
     path = tmp_path / "state.yaml"
     path.write_text(HOSTILE[name])
-    res = kpx_check(path, pyyaml_env)
+    # The child picks its reader from the environment, as any kpx does.
+    res = kpx_check(path, {**pyyaml_env, "KPX_NO_FAST_YAML": str(int(yaml_reader == "pyyaml"))})
     assert res.returncode == 1, f"exit {res.returncode} (-11 is SIGSEGV)\n{res.stderr[-2000:]}"
     assert "Traceback" not in res.stderr
     lines = res.stderr.splitlines()
@@ -403,11 +411,11 @@ def _with(obj: dict[str, Any], path: str, value: object) -> dict[str, Any]:
 
 
 FORGED = "web\n2024-05-01 10:00:00 CRITICAL kpx: all NodePorts compromised"
-DNS1035 = k8s._DNS1035_LABEL_RULE.rule
-DNS1123 = k8s._DNS1123_LABEL_RULE.rule
-SUBDOMAIN = k8s._DNS1123_SUBDOMAIN_RULE.rule
-LABEL_KEY = k8s._LABEL_KEY_RULE.rule
-LABEL_VALUE = k8s._LABEL_VALUE_RULE.rule
+DNS1035 = fields._DNS1035_LABEL_RULE.rule
+DNS1123 = fields._DNS1123_LABEL_RULE.rule
+SUBDOMAIN = fields._DNS1123_SUBDOMAIN_RULE.rule
+LABEL_KEY = fields._LABEL_KEY_RULE.rule
+LABEL_VALUE = fields._LABEL_VALUE_RULE.rule
 
 BAD_NAMES = [
     pytest.param(
@@ -514,11 +522,11 @@ def test_the_quick_judges_refuse_what_the_full_judge_refuses(
     obj: dict[str, Any], expected: str
 ) -> None:
     with (
-        mock.patch.object(k8s, "_quick_service", lambda doc: None),
-        mock.patch.object(k8s, "_quick_slice", lambda doc, interned: None),
+        mock.patch.object(fields, "_quick_service", lambda doc: None),
+        mock.patch.object(fields, "_quick_slice", lambda doc, interned: None),
     ):
-        full = k8s._judge(obj)
-    assert k8s._judge(obj) == full
+        full = fields._judge(obj)
+    assert fields._judge(obj) == full
     assert not full.clean
 
 

@@ -26,11 +26,14 @@ from hypothesis import strategies as st
 from proxy import k8s
 from proxy.core.decision import PlanCache, build_plans
 from proxy.core.model import Endpoint, EndpointPort, EndpointSlice, Service, ServicePort, Snapshot
-from proxy.k8s import StateError, StateParser, parse_state
+from proxy.k8s import StateError, StateParser, decode, parse_state, subset
 from proxy.sources.hub import StateHub
 from proxy.sources.statefile import StateFileSource
 
 Outcome = Snapshot | list[str]
+
+pytestmark = pytest.mark.usefixtures("yaml_reader")
+"""Every test runs over both YAML readers: the fast subset reader, and PyYAML alone."""
 
 
 def outcome(parse: Callable[[str, int], Snapshot], text: str, generation: int = 0) -> Outcome:
@@ -56,6 +59,12 @@ def stream(docs: list[str], lead: str = "", marker: str = "---\n") -> str:
 def docs(make_state: Callable[[int, int, int], dict[str, Any]]) -> list[str]:
     """40 services with one slice each and 3 nodes, one object per document."""
     return documents(make_state(40, 3, 3)["items"])
+
+
+def fresh(count: int) -> tuple[int, int]:
+    """``ParseStats`` ``(subset, pyyaml)`` of a parse that decoded ``count`` chunks of the block
+    subset: all by the fast reader, or all by PyYAML when that is off (``yaml_reader``)."""
+    return (count, 0) if subset.FAST_YAML else (0, count)
 
 
 def strictly_equal(a: object, b: object) -> bool:
@@ -198,13 +207,14 @@ def test_generation_and_empty_streams() -> None:
 def test_one_changed_document_is_the_only_one_decoded(docs: list[str]) -> None:
     parser = StateParser()
     before = parser.parse(stream(docs), 1)
-    assert parser.last.chunks == len(docs) and parser.last.subset == len(docs)
+    assert parser.last.chunks == len(docs)
+    assert (parser.last.subset, parser.last.pyyaml) == fresh(len(docs))
 
     edited = docs.index(next(d for d in docs if "svc-7-" in d))
     docs[edited] = docs[edited].replace("ready: true", "ready: false", 1)
     after = parser.parse(stream(docs), 2)
 
-    assert (parser.last.subset, parser.last.pyyaml) == (1, 0)
+    assert (parser.last.subset, parser.last.pyyaml) == fresh(1)
     assert parser.last.reused == len(docs) - 1
     assert after == whole(stream(docs), 2)
     changed = [sl for sl, old in zip(after.slices, before.slices, strict=True) if sl is not old]
@@ -259,7 +269,8 @@ def test_documents_outside_the_subset_go_to_pyyaml(docs: list[str]) -> None:
 def test_kubectl_style_documents_need_no_pyyaml(
     make_state: Callable[[int, int, int], dict[str, Any]],
 ) -> None:
-    """What kubectl, ``yaml.safe_dump`` and the bench templates print stays on the fast path."""
+    """What kubectl, ``yaml.safe_dump`` and the bench templates print stays on the fast path
+    (with it off, all of it goes to PyYAML)."""
     items = make_state(30, 3, 4)["items"]
     bench_style = (
         "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: bench\n"
@@ -276,7 +287,7 @@ def test_kubectl_style_documents_need_no_pyyaml(
     for text in texts:
         parser = StateParser()
         assert parser.parse(text) == whole(text)
-        assert parser.last.pyyaml == 0 and parser.last.subset == parser.last.chunks
+        assert (parser.last.subset, parser.last.pyyaml) == fresh(parser.last.chunks)
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -321,7 +332,7 @@ def test_errors_in_a_changed_document_refuse_the_whole_file(docs: list[str]) -> 
     ]
     docs[svc] = docs[svc].replace("port: 80000\n", "port: 80\n", 1)
     assert parser.parse(stream(docs)) == whole(stream(docs))
-    assert parser.last.subset == 1
+    assert (parser.last.subset, parser.last.pyyaml) == fresh(1)
 
 
 def test_problems_name_documents_where_they_are_now() -> None:
@@ -365,7 +376,7 @@ def test_a_slice_links_to_a_service_that_arrives_later(docs: list[str]) -> None:
     assert "ns-3/svc-3" not in {sl.service_key for sl in without.slices}
     with_it = parser.parse(stream(docs))
     assert with_it == whole(stream(docs))
-    assert parser.last.subset == 1
+    assert (parser.last.subset, parser.last.pyyaml) == fresh(1)
     assert "ns-3/svc-3" in {sl.service_key for sl in with_it.slices}
 
 
@@ -518,10 +529,10 @@ def test_the_subset_reader_agrees_with_pyyaml_or_declines(
     at %= len(text) + 1
     text = text[:at] + insert + text[at:]
     try:
-        expected: list[object] | None = list(yaml.load_all(text, Loader=k8s._LOADER))
+        expected: list[object] | None = list(yaml.load_all(text, Loader=decode._LOADER))
     except (yaml.YAMLError, ValueError):
         expected = None
-    got = k8s._read_subset(text, {})
+    got = subset._read_subset(text, {})
     if got is not None:
         assert expected is not None and strictly_equal(got, expected), text
 
@@ -531,10 +542,10 @@ def test_the_subset_reader_on_tricky_scalars() -> None:
         for shape in ("key: {}\n", "key:\n- {}\n", "{}: x\n", "- {}\n", "a:\n  {}: {}\n"):
             text = shape.format(value, value)
             try:
-                expected: list[object] | None = list(yaml.load_all(text, Loader=k8s._LOADER))
+                expected: list[object] | None = list(yaml.load_all(text, Loader=decode._LOADER))
             except yaml.YAMLError:
                 expected = None
-            got = k8s._read_subset(text, {})
+            got = subset._read_subset(text, {})
             assert got is None or (expected is not None and strictly_equal(got, expected)), text
 
 
@@ -569,8 +580,10 @@ def test_plan_cache_reuses_plans_of_unchanged_services(docs: list[str]) -> None:
 
 
 def test_plan_cache_starts_afresh_for_another_node_or_masquerade(docs: list[str]) -> None:
-    snap, cache = parse_state(stream(docs)), PlanCache()
-    first = build_plans(snap, "node-1", cache=cache)
+    parser, cache = StateParser(), PlanCache()
+    first = build_plans(parser.parse(stream(docs), 1), "node-1", cache=cache)
+    snap = parser.parse(stream(docs), 2)  # the same text: nothing changed
+    assert snap.changes.services == frozenset()
     assert build_plans(snap, "node-1", cache=cache) == first and cache.built == 0
     for node, masquerade in (("node-2", False), ("node-2", True)):
         assert build_plans(snap, node, masquerade, cache=cache) == build_plans(
@@ -582,9 +595,11 @@ def test_plan_cache_starts_afresh_for_another_node_or_masquerade(docs: list[str]
 def test_plan_cache_when_services_change_too(docs: list[str]) -> None:
     """A service added or removed takes the per-service path; the rest is still reused."""
     parser, cache = StateParser(), PlanCache()
-    first = build_plans(parser.parse(stream(docs)), "node-1", cache=cache)
+    first = build_plans(parser.parse(stream(docs), 1), "node-1", cache=cache)
     svc = next(i for i, d in enumerate(docs) if "name: svc-3\n" in d and "kind: Service" in d)
-    second = build_plans(parser.parse(stream(docs[:svc] + docs[svc + 1 :])), "node-1", cache=cache)
+    second = build_plans(
+        parser.parse(stream(docs[:svc] + docs[svc + 1 :]), 2), "node-1", cache=cache
+    )
     assert 30003 not in second and cache.built == 0
     assert all(second[port] is first[port] for port in second)
 
@@ -631,7 +646,7 @@ def test_state_file_source_reuses_objects_and_refuses_bad_files(
     second = hub.snapshot
     assert second is not None and second.generation == 2
     assert all(a is b for a, b in zip(second.services, first.services, strict=True))
-    assert source.parser.last.subset == 1
+    assert (source.parser.last.subset, source.parser.last.pyyaml) == fresh(1)
 
     path.write_text(stream(docs) + "---\nkind: Service\nmetadata: {}\n")
     with caplog.at_level(logging.ERROR, logger="proxy.sources.statefile"):

@@ -21,6 +21,9 @@ KUBECTL_LIST = FIXTURES / "kubectl_list.yaml"
 DELETE = object()
 """``patched`` value meaning "remove this field"."""
 
+pytestmark = pytest.mark.usefixtures("yaml_reader")
+"""Every test runs over both YAML readers: the fast subset reader, and PyYAML alone."""
+
 
 # -- builders -----------------------------------------------------------------
 
@@ -121,7 +124,7 @@ def problems_of(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kubectl() -> Snapshot:
+def kubectl(yaml_reader: str) -> Snapshot:
     return parse_file(KUBECTL_LIST, generation=7)
 
 

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -24,6 +28,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy import k8s
+from proxy.k8s import decode, fields, subset
 
 # -- strict equality ---------------------------------------------------------------------
 
@@ -75,7 +80,7 @@ def _relabel(tree: object, values: list[object]) -> object:
 
 def _pyyaml(text: str) -> list[object] | None:
     try:
-        return list(yaml.load_all(text, Loader=k8s._LOADER))
+        return list(yaml.load_all(text, Loader=decode._LOADER))
     except (yaml.YAMLError, ValueError):
         return None
 
@@ -85,9 +90,9 @@ def _read_often(texts: list[str]) -> list[list[object] | None]:
     lines: dict[str, Any] = {}
     scalars: dict[str, object] = {}
     shapes: dict[tuple[int, ...], Any] = {}
-    for _ in range(k8s._COMPILE_AFTER + 1):
-        k8s._read_subset(texts[0], lines, scalars, shapes)
-    return [k8s._read_subset(text, lines, scalars, shapes) for text in texts]
+    for _ in range(subset._COMPILE_AFTER + 1):
+        subset._read_subset(texts[0], lines, scalars, shapes)
+    return [subset._read_subset(text, lines, scalars, shapes) for text in texts]
 
 
 @given(
@@ -107,7 +112,7 @@ def test_compiled_shapes_read_what_pyyaml_reads(
             expected = _pyyaml(text)
             assert expected is not None and strict(got, expected), text
     # The interpreter and the compiled program agree on the very same text.
-    assert strict(_read_often([first])[0], k8s._read_subset(first, {}))
+    assert strict(_read_often([first])[0], subset._read_subset(first, {}))
 
 
 @pytest.mark.parametrize(
@@ -132,7 +137,7 @@ def test_compiled_shapes_on_tricky_streams(texts: list[str]) -> None:
     for text, got in zip(texts, _read_often(texts), strict=True):
         expected = _pyyaml(text)
         assert got is None or (expected is not None and strict(got, expected)), text
-        assert strict(got, k8s._read_subset(text, {})), text
+        assert strict(got, subset._read_subset(text, {})), text
 
 
 def test_compiled_programs_build_new_containers_every_time() -> None:
@@ -153,7 +158,7 @@ def test_compiled_programs_build_new_containers_every_time() -> None:
 )
 def test_characters_outside_the_subset_are_declined(text: str) -> None:
     """Tabs, CR, DEL and non-ASCII text go to PyYAML, even where the reader would agree."""
-    assert k8s._read_subset(text, {}) is None
+    assert subset._read_subset(text, {}) is None
     assert _read_often([text]) == [None]
 
 
@@ -165,7 +170,7 @@ def test_joined_resolver_rules_name_the_rule_that_matched() -> None:
         ("c", re.compile(r"x(?:q|(r))")),
         ("d", re.compile(r"x.*")),
     ]
-    pattern, tags = k8s._one_rule(rules)
+    pattern, tags = decode._one_rule(rules)
     for text in ["xz", "xyz", "xy", "xyy", "xq", "xr", "xs", "q", ""]:
         match = pattern.match(text)
         expected = next((tag for tag, regexp in rules if regexp.match(text)), None)
@@ -173,9 +178,104 @@ def test_joined_resolver_rules_name_the_rule_that_matched() -> None:
 
 
 def test_deep_documents_are_not_compiled() -> None:
-    depth = k8s._MAX_COMPILED_DEPTH + 5
+    depth = subset._MAX_COMPILED_DEPTH + 5
     text = "".join(f"{'  ' * i}k{i}:\n" for i in range(depth)) + f"{'  ' * depth}v: 1\n"
     assert strict(_read_often([text])[0], _pyyaml(text))
+
+
+# -- what ``_compile`` writes --------------------------------------------------------------
+
+_TARGET = r"(?:_|\(_, _, _, k\d+, v\d+\))"
+_PROGRAM = re.compile(
+    rf"def build\(r\):\n    {_TARGET}(?:, {_TARGET})*, = r\n"
+    r"    return [{}\[\]:, kv0-9]*(?:None[{}\[\]:, kv0-9]*)*\n"
+)
+"""The only sources ``_compile`` may write: see ``proxy.k8s.subset``'s docstring."""
+
+
+def _programs(monkeypatch: pytest.MonkeyPatch, texts: list[str]) -> list[str]:
+    """The sources ``_compile`` writes while ``_read_often`` reads ``texts``."""
+    sources: list[str] = []
+
+    def spy(source: str, namespace: dict[str, Any]) -> None:
+        sources.append(source)
+        exec(source, namespace)
+
+    monkeypatch.setattr(subset, "exec", spy, raising=False)
+    for text, got in zip(texts, _read_often(texts), strict=True):
+        assert got is not None and strict(got, _pyyaml(text)), text
+    return sources
+
+
+def test_the_docstring_shows_what_compile_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = (
+        "kind: Service\nmetadata:\n  name: web\n  labels: {}\nspec:\n  ports:\n"
+        "  - port: 80\n    protocol: TCP\n  - 8080\n"
+    )
+    [source] = _programs(monkeypatch, [text])
+    returned = "return {k0: v0, k1: {k2: v2, k3: {}}, k4: {k5: [{k6: v6, k7: v7}, v8]}}"
+    unpack = ", ".join(f"(_, _, _, k{i}, v{i})" for i in range(9))
+    assert source == f"def build(r):\n    {unpack}, _, = r\n    {returned}\n"
+    assert returned in (subset.__doc__ or "") and _PROGRAM.fullmatch(source)
+
+
+def test_no_text_of_a_document_reaches_a_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys and values that would be code, or names of the program, if they were pasted
+    into it: each program is only generated names and brackets, and reads them as data."""
+    hostile = [
+        "__import__('os').system('id')", "'); import os #", '"}]: v0, **{"x', "k0", "v1",
+        "r", "_", "build", "None", "exec(r)", "a)(b", "lambda: 0",
+    ]  # fmt: skip
+    texts = []
+    for word in hostile:
+        quoted = "'" + word.replace("'", "''") + "'"
+        texts.append(
+            f"{quoted}: {quoted}\nk0:\n  {quoted}:\n  - {quoted}\n  - {quoted}: {quoted}\n"
+            f"v1: {{}}\nr: []\n"
+        )
+    sources = _programs(monkeypatch, texts)
+    assert len(sources) == 1  # One shape: compiled once, then reused for every word.
+    assert _PROGRAM.fullmatch(sources[0]), sources[0]
+    # Names alike (``k0``, ``r``, ``None``) are the program's own, as ``_PROGRAM`` says.
+    assert not any(word in sources[0] for word in hostile if not word.isidentifier())
+
+
+_READER_PROBE = """
+from proxy.k8s import StateParser, subset
+parser = StateParser()
+parser.parse("kind: Node\\nmetadata:\\n  name: a\\n---\\nkind: Node\\nmetadata:\\n  name: b\\n")
+print(subset.FAST_YAML, parser.last.subset, parser.last.pyyaml)
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, "True 2 0"), ("", "True 2 0"), ("0", "True 2 0"), ("1", "False 0 2")],
+)
+def test_kpx_no_fast_yaml_sends_every_chunk_to_pyyaml(value: str | None, expected: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KPX_NO_FAST_YAML"}
+    if value is not None:
+        env["KPX_NO_FAST_YAML"] = value
+    child = subprocess.run(
+        [sys.executable, "-c", _READER_PROBE],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+        timeout=60, check=True,
+    )  # fmt: skip
+    assert child.stdout.split("\n")[0] == expected
+
+
+def test_use_fast_yaml_switches_the_reader_and_says_what_it_was() -> None:
+    text = "kind: Node\nmetadata:\n  name: a\n"
+    was = subset.use_fast_yaml(False)
+    try:
+        parser = k8s.StateParser()
+        off = parser.parse(text)
+        assert (parser.last.subset, parser.last.pyyaml) == (0, 1)
+        assert subset.use_fast_yaml(True) is False
+        on = k8s.StateParser().parse(text)
+        assert strict(on, off)
+    finally:
+        subset.use_fast_yaml(was)
 
 
 # -- the quick judges ----------------------------------------------------------------------
@@ -282,26 +382,26 @@ def _mutate(doc: dict[str, Any], path: tuple[object, ...], value: object) -> Non
             parent[last] = copy.deepcopy(value)
 
 
-def _full_verdict(doc: object) -> k8s._Verdict:
+def _full_verdict(doc: object) -> fields._Verdict:
     """The verdict with the quick judges switched off."""
     with (
-        mock.patch.object(k8s, "_quick_service", lambda doc: None),
-        mock.patch.object(k8s, "_quick_slice", lambda doc, interned: None),
+        mock.patch.object(fields, "_quick_service", lambda doc: None),
+        mock.patch.object(fields, "_quick_slice", lambda doc, interned: None),
     ):
-        return k8s._judge(doc)
+        return fields._judge(doc)
 
 
 def _check(doc: object) -> None:
     full = _full_verdict(doc)
-    assert strict(k8s._judge(doc), full), doc
-    assert strict(k8s._judge(doc, {}), full), doc
+    assert strict(fields._judge(doc), full), doc
+    assert strict(fields._judge(doc, {}), full), doc
     # Interned objects from an earlier, equal-looking document must not leak in.
-    interned: k8s._Interned = {}
-    k8s._judge(SLICE, interned)
-    assert strict(k8s._judge(doc, interned), full), doc
+    interned: fields._Interned = {}
+    fields._judge(SLICE, interned)
+    assert strict(fields._judge(doc, interned), full), doc
     # The same inside a List, where the quick judges run for items.
     listed = {"kind": "List", "items": [doc, SLICE]}
-    assert strict(k8s._judge(listed), _full_verdict(listed)), doc
+    assert strict(fields._judge(listed), _full_verdict(listed)), doc
 
 
 @pytest.mark.parametrize(("base", "paths"), [(SERVICE, SERVICE_PATHS), (SLICE, SLICE_PATHS)])
@@ -331,8 +431,8 @@ def test_quick_judge_is_the_full_judge(
 
 def test_the_plain_documents_take_the_quick_paths() -> None:
     """The fixtures above are plain: the tests would prove nothing if they fell back."""
-    assert k8s._quick_service(SERVICE) is not None
-    assert k8s._quick_slice(SLICE, {}) is not None
+    assert fields._quick_service(SERVICE) is not None
+    assert fields._quick_slice(SLICE, {}) is not None
     _check(SERVICE)
     _check(SLICE)
 
