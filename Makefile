@@ -27,11 +27,14 @@ run: $(STAMP)
 down: $(STAMP)
 	$(KPX) lab down
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q
 
+# ruff, then the import contracts in pyproject.toml: the pure core imports no
+# I/O or shell, healthz nothing of proxy, lab and bench neither.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proxy healthz lab bench tests
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(KPX) bench

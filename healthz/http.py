@@ -11,9 +11,9 @@ Owns:
   listening *synchronously*, so a caller learns about EADDRINUSE at once and a
   closed listener refuses connections as soon as ``close()`` returns.
 
-Never: decide what a response says (the handlers in ``service`` and ``node``
-do), read the state, or let a slow client hold a slot for longer than the
-header timeout.
+Never: decide what a response says (the handlers in ``service_health``,
+``proxy_health`` and ``metrics`` do), read the state, or let a slow client
+hold a slot for longer than the header timeout.
 
 Why these guards: the ports here are probed by cloud load balancers from the
 network. A client that opens connections and sends nothing (slowloris) must
@@ -37,7 +37,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 from prometheus_client import Counter
 
-from proxy.metrics import REGISTRY
+from healthz.registry import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ Handler = Callable[[BaseRequest], StreamResponse]
 DEFAULT_MAX_CONNECTIONS = 100
 DEFAULT_HEADER_TIMEOUT = 5.0
 BACKLOG = socket.SOMAXCONN
+
+JSON_HEADERS = (("Content-Type", "application/json"), ("X-Content-Type-Options", "nosniff"))
+TEXT_HEADERS = (
+    ("Content-Type", "text/plain; charset=utf-8"),
+    ("X-Content-Type-Options", "nosniff"),
+)
 
 CONNECTIONS_CLOSED = Counter(
     "kubeproxy_kpx_healthz_connections_closed",

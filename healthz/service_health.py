@@ -1,15 +1,20 @@
 """Per-service ``healthCheckNodePort`` servers: kube-proxy's ``service_health.go``.
 
-Owns: one HTTP listener per Service that needs a health check (type
-LoadBalancer, externalTrafficPolicy Local, non-zero healthCheckNodePort),
-opened, moved and closed as snapshots arrive, and the answer each one gives:
-byte for byte what kube-proxy writes, on every path and for every method.
+Owns: one HTTP listener per Service that needs a health check, opened, moved
+and closed as the proxier's syncs say, and the answer each one gives: byte
+for byte what kube-proxy writes, on every path and for every method.
 
-Never: raise out of ``sync`` (it runs inside ``StateHub.publish``, and one
-service's bad port must not stop the others or the dataplane), block the loop
-on I/O, or keep a listener for a service that no longer needs one: a closed
-health port must *refuse*, which is how e2e and load balancers tell "turned
-off" from "unhealthy".
+Its whole input is two calls of plain data, as kube-proxy's
+``ServiceHealthServer`` has: ``sync_services({"ns/name": port}, hosts)``
+(which services need a health check, on which port and addresses) and
+``sync_endpoints({"ns/name": local ready count})``. The proxier computes
+both from each snapshot, once (``proxy.core.sync``).
+
+Never: look at a snapshot or decide which services need a check or how many
+endpoints are local; raise out of a sync (one service's bad port must not
+stop the others or the dataplane); block the loop on I/O; or keep a listener
+for a service that no longer needs one: a closed health port must *refuse*,
+which is how e2e and load balancers tell "turned off" from "unhealthy".
 
 Answer rules (spec section 3a): status 200 iff the service has local ready
 endpoints and the proxy is healthy, else 503; ``localEndpoints`` counts unique
@@ -20,7 +25,6 @@ answers 503 while its dataplane still forwards to them.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +39,8 @@ from healthz.http import (
     HttpListener,
     go_response,
 )
-from proxy.core.endpoints import local_ready_counts
-from proxy.core.model import Service, Snapshot
-from proxy.metrics import REGISTRY
-from proxy.sources.hub import Prepared, ProxyHealth
+from healthz.proxy_health import ProxyHealth
+from healthz.registry import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -94,48 +96,6 @@ def render_body(namespace: str, name: str, count: int, healthy: bool) -> bytes:
     ).encode()
 
 
-NodePortAddress = str | ipaddress.IPv4Network | ipaddress.IPv6Network
-"""An IP to listen on, or a CIDR (string or network) to match node addresses against."""
-
-
-def resolve_hosts(
-    addresses: Sequence[NodePortAddress] | None, snapshot: Snapshot, node_name: str
-) -> tuple[str, ...]:
-    """The addresses to listen on, as kube-proxy derives them from ``--nodeport-addresses``.
-
-    ``None`` or empty means every address (``0.0.0.0``). A CIDR (a network
-    object or ``"a.b.c.d/n"``) selects this node's addresses from the
-    snapshot plus 127.0.0.1 (kube-proxy matches interface addresses, and
-    loopback is one of them); a CIDR that matches everything means 0.0.0.0.
-    A plain IP string is taken as is. Raises ``ValueError`` on a bad entry.
-    """
-    if not addresses:
-        return (ALL_ADDRESSES,)
-    node = snapshot.node(node_name)
-    candidates = (*(node.ips if node else ()), "127.0.0.1")
-    hosts: list[str] = []
-    for entry in addresses:
-        if isinstance(entry, str):
-            entry = entry.strip()
-            if not entry:
-                continue
-            if "/" not in entry:
-                hosts.append(str(ipaddress.ip_address(entry)))
-                continue
-            entry = ipaddress.ip_network(entry, strict=False)
-        if entry.prefixlen == 0 and entry.version == 4:
-            return (ALL_ADDRESSES,)
-        for ip in candidates:
-            try:
-                if ipaddress.ip_address(ip) in entry:
-                    hosts.append(ip)
-            except ValueError:
-                continue
-    if ALL_ADDRESSES in hosts:
-        return (ALL_ADDRESSES,)
-    return tuple(dict.fromkeys(hosts))
-
-
 @dataclass(eq=False)
 class _HealthCheck:
     """The live state of one service's health-check server."""
@@ -174,39 +134,36 @@ class _HealthCheck:
 
 
 class ServiceHealthServer:
-    """All healthCheckNodePort listeners of one node, reconciled per snapshot.
+    """All healthCheckNodePort listeners of one node, kept to the proxier's last sync.
 
-    ``sync`` is synchronous because ``StateHub`` calls its readers
-    synchronously: binding and closing happen before it returns, so the port
-    set always matches the last snapshot. A port that cannot be bound is
-    logged with its service and retried on the next sync and every
+    The syncs are synchronous, as the proxier's sync is: binding and closing
+    happen before ``sync_services`` returns, so the port set always matches
+    the last sync. Before ``start`` nothing is bound (a successor's health
+    ports wait until the kpx node it takes over from has closed its own);
+    ``start`` binds what the syncs asked for so far. A port that cannot be
+    bound is logged with its service and retried on the next sync and every
     ``retry_interval`` seconds meanwhile; the other services are unaffected.
     """
 
     def __init__(
         self,
-        node_name: str,
         health: ProxyHealth,
-        addresses: Sequence[NodePortAddress] | None = None,
         *,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         retry_interval: float = 5.0,
     ) -> None:
-        self.node_name = node_name
         self.health = health
-        self.addresses = list(addresses) if addresses else None
-        # A malformed address is a configuration error: fail now, not per sync.
-        resolve_hosts(self.addresses, Snapshot(), node_name)
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.retry_interval = retry_interval
         self._checks: dict[str, _HealthCheck] = {}
-        self._snapshot: Snapshot | None = None
-        self._prepared: Prepared[tuple[dict[str, Service], Mapping[str, int]]] = Prepared()
-        """``_wanted`` of one snapshot, from ``prepare``."""
+        self._ports: dict[str, int] = {}
+        self._hosts: tuple[str, ...] = (ALL_ADDRESSES,)
+        self._counts: Mapping[str, int] = {}
         self._retry: asyncio.TimerHandle | None = None
         self._closing: list[HttpListener] = []
+        self._started = False
         self._stopped = False
 
     # -- what tests and the sidecar can ask ---------------------------------
@@ -227,65 +184,71 @@ class ServiceHealthServer:
         check = self._checks.get(key)
         return None if check is None else check.count
 
-    # -- reconciliation ------------------------------------------------------
+    # -- the two syncs -------------------------------------------------------
 
-    def prepare(self, snapshot: Snapshot) -> None:
-        """A hub preparer (a worker thread): what ``sync`` of ``snapshot`` will want.
+    def sync_services(self, ports: Mapping[str, int], hosts: Sequence[str]) -> None:
+        """Serve health checks for exactly ``ports`` (``ns/name`` -> port) on ``hosts``.
 
-        Finding the health-checked services and their local endpoint counts
-        reads every service: 8 ms for 50,000, on the loop that answers
-        /healthz, unless done here first.
+        kube-proxy's ``SyncServices``. ``hosts`` are the addresses
+        ``--nodeport-addresses`` selects (``0.0.0.0`` for all). Never raises.
         """
-        self._prepared.put(snapshot, self._wanted(snapshot))
-
-    def _wanted(self, snapshot: Snapshot) -> tuple[dict[str, Service], Mapping[str, int]]:
-        """The services that need a health check, and their local ready endpoint counts."""
-        wanted: dict[str, Service] = {
-            s.key: s for s in snapshot.services if s.needs_health_check
-        }
-        return wanted, local_ready_counts(snapshot, self.node_name)
-
-    def sync(self, snapshot: Snapshot) -> None:
-        """Make the listeners and counts match ``snapshot``. Never raises."""
         if self._stopped:
             return
-        self._snapshot = snapshot
+        self._ports = dict(ports)
+        self._hosts = tuple(hosts)
+        if not self._started:
+            return
         try:
-            self._reconcile(snapshot)
+            self._reconcile()
         except Exception:
-            log.exception("healthcheck sync of generation %d failed", snapshot.generation)
+            log.exception("healthcheck sync of %d services failed", len(self._ports))
 
-    def _reconcile(self, snapshot: Snapshot) -> None:
-        wanted, counts = self._prepared.take(snapshot) or self._wanted(snapshot)
-        try:
-            hosts = resolve_hosts(self.addresses, snapshot, self.node_name)
-        except ValueError as exc:
-            log.error("invalid nodeport address in %s: %s", self.addresses, exc)
-            hosts = ()
+    def sync_endpoints(self, local_ready: Mapping[str, int]) -> None:
+        """Set each service's local ready endpoint count (``ns/name`` -> count).
 
+        kube-proxy's ``SyncEndpoints``: counts of services without a health
+        check are kept for when one is asked for, and a service missing here
+        counts 0.
+        """
+        self._counts = local_ready
+        for key, check in self._checks.items():
+            check.count = local_ready.get(key, 0)
+
+    def start(self) -> None:
+        """Begin serving: bind what the syncs so far asked for. Call on the loop."""
+        if self._started or self._stopped:
+            return
+        self._started = True
+        self._reconcile()
+
+    # -- reconciliation ------------------------------------------------------
+
+    def _reconcile(self) -> None:
+        wanted, hosts = self._ports, self._hosts
         # Close first, so a port handed from one service to another in the
-        # same snapshot is free by the time the new owner binds it.
+        # same sync is free by the time the new owner binds it.
         for key, check in list(self._checks.items()):
-            svc = wanted.get(key)
-            if svc is None or svc.health_check_node_port != check.port or hosts != check.hosts:
+            port = wanted.get(key)
+            if port != check.port or hosts != check.hosts:
                 if check.listener is not None:
                     log.info("service %s: closing health check on port %d", key, check.port)
                     self._closing.append(check.listener)
                 check.close()
                 del self._checks[key]
 
-        for key, svc in wanted.items():
+        for key, port in wanted.items():
             check = self._checks.get(key)
             if check is None:
+                namespace, _, name = key.partition("/")
                 check = _HealthCheck(
-                    namespace=svc.namespace,
-                    name=svc.name,
-                    port=svc.health_check_node_port,
+                    namespace=namespace,
+                    name=name,
+                    port=port,
                     hosts=hosts,
                     health=self.health,
+                    count=self._counts.get(key, 0),
                 )
                 self._checks[key] = check
-            check.count = counts.get(key, 0)
             if check.listener is not None and check.listener.closed:
                 # It gave up on its own (serving failed to start): start over.
                 check.listener = None
@@ -347,8 +310,8 @@ class ServiceHealthServer:
 
     def _retry_now(self) -> None:
         self._retry = None
-        if self._snapshot is not None:
-            self.sync(self._snapshot)
+        if not self._stopped:
+            self.sync_services(self._ports, self._hosts)
 
     async def stop(self) -> None:
         """Close every listener and wait until none is left."""

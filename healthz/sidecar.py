@@ -1,16 +1,19 @@
-"""The healthz sidecar: every health and metrics listener of one node, fed by one ``StateHub``.
+"""The healthz sidecar: every health and metrics listener of one node.
 
-Owns: wiring. It subscribes the per-service health checks, the node health
-server and the sync gauges to the hub (one state, many readers: the answers
-always describe the snapshot the dataplane has), and opens the node-health
-and metrics ports, retrying them in the background if they are taken.
+Owns: wiring and ports. It holds the per-service health checks
+(``services``, a ``ServiceHealthServer``), the node health server and the
+metrics mux, all reading the one ``ProxyHealth`` it is given, and opens the
+node-health and metrics ports, retrying them in the background if they are
+taken.
 
-Never: publish to the hub, touch ``ProxyHealth`` (the hub marks updates), or
-let a failing listener stop the others: kube-proxy keeps running when its
-healthz port is busy, and so does kpx.
+Never: read a snapshot or compute anything about services: the proxier's
+sync hands ``services`` and ``ProxyHealth`` plain data (``proxy.proxier``).
+Nor let a failing listener stop the others: kube-proxy keeps running when
+its healthz port is busy, and so does kpx.
 
-``kpx node`` runs a ``Sidecar`` in-process; ``kpx healthz`` (``proxy.commands.healthz``)
-runs one alone against its own hub and state file.
+``kpx node`` runs a ``Sidecar`` beside its dataplane; ``kpx healthz``
+(``proxy.commands.healthz``) runs one alone, fed by the same sync with no
+dataplane.
 """
 
 from __future__ import annotations
@@ -19,13 +22,11 @@ import argparse
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Sequence
 
 from healthz.http import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Handler, HttpListener
-from healthz.proxy_health import MetricsServer, NodeHealthServer, SyncMetrics
-from healthz.service_health import NodePortAddress, ServiceHealthServer
-from proxy.core.model import Snapshot
-from proxy.sources.hub import StateHub
+from healthz.metrics import PROXY_MODE, MetricsServer
+from healthz.proxy_health import NodeHealthServer, ProxyHealth
+from healthz.service_health import ServiceHealthServer
 
 log = logging.getLogger(__name__)
 
@@ -58,52 +59,45 @@ def parse_bind_address(value: str | None, default_port: int) -> tuple[str, int] 
 
 
 class Sidecar:
-    """All healthz listeners of one node, kept in step with ``hub``."""
+    """All healthz listeners of one node, answering from ``health`` and the syncs."""
 
     def __init__(
         self,
-        hub: StateHub,
-        node_name: str,
+        health: ProxyHealth,
         healthz_bind: str | None = f"0.0.0.0:{HEALTHZ_PORT}",
         metrics_bind: str | None = f"127.0.0.1:{METRICS_PORT}",
-        nodeport_addresses: Sequence[NodePortAddress] | None = None,
         *,
+        proxy_mode: str = PROXY_MODE,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         retry_interval: float = 5.0,
     ) -> None:
-        self.hub = hub
-        self.node_name = node_name
+        self.health = health
         self.healthz_bind = parse_bind_address(healthz_bind, HEALTHZ_PORT)
         self.metrics_bind = parse_bind_address(metrics_bind, METRICS_PORT)
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.retry_interval = retry_interval
         self.services = ServiceHealthServer(
-            node_name,
-            hub.health,
-            nodeport_addresses,
+            health,
             max_connections=max_connections,
             header_timeout=header_timeout,
             retry_interval=retry_interval,
         )
-        self.node_health = NodeHealthServer(hub.health, node_name)
-        self.metrics = MetricsServer()
-        self.sync_metrics = SyncMetrics(node_name, clock=hub.health.now)
+        self.node_health = NodeHealthServer(health)
+        self.metrics = MetricsServer(proxy_mode=proxy_mode)
         self._listeners: dict[str, HttpListener] = {}
         self._retries: list[asyncio.Task[None]] = []
         self._started = False
         self._stopped = False
 
     @classmethod
-    def from_flags(cls, hub: StateHub, args: argparse.Namespace) -> Sidecar:
+    def from_flags(cls, health: ProxyHealth, args: argparse.Namespace) -> Sidecar:
         """The sidecar as ``kpx node`` and ``kpx healthz`` configure it from their flags."""
         return cls(
-            hub,
-            args.hostname_override,
+            health,
             healthz_bind=args.healthz_bind_address,
             metrics_bind=args.metrics_bind_address,
-            nodeport_addresses=args.nodeport_addresses or None,
             retry_interval=min(5.0, args.sync_period),
         )
 
@@ -123,7 +117,7 @@ class Sidecar:
         return listener.addresses[0]
 
     async def start(self) -> None:
-        """Open the node ports (or schedule their retry), then follow the hub."""
+        """Open the node ports (or schedule their retry) and the health checks synced so far."""
         if self._started:
             raise RuntimeError("Sidecar already started")
         self._started = True
@@ -138,19 +132,7 @@ class Sidecar:
                 self._retries.append(
                     asyncio.create_task(self._retry_open(name, bind, handler), name=f"retry {name}")
                 )
-        self.hub.add_preparer(self._prepare)
-        self.hub.subscribe(self._on_snapshot)
-
-    def _prepare(self, snapshot: Snapshot) -> None:
-        """The hub preparer (a worker thread): the readers' pure work, off the loop.
-
-        ``SyncMetrics.sync`` builds this node's plans to count the dropping
-        ones (cold, 70 ms for 10,000 NodePorts) and the health checks read
-        every service: on the loop that answers /healthz, unless done here.
-        """
-        if not self._stopped:
-            self.sync_metrics.prepare(snapshot)
-            self.services.prepare(snapshot)
+        self.services.start()
 
     def _open(self, name: str, bind: tuple[str, int], handler: Handler, quiet: bool) -> bool:
         listener = HttpListener(
@@ -178,19 +160,9 @@ class Sidecar:
             if not self._stopped and self._open(name, bind, handler, quiet=True):
                 return
 
-    def _on_snapshot(self, snapshot: Snapshot) -> None:
-        """The hub reader. Each part swallows its own errors, so none starves the others."""
-        if self._stopped:
-            return
-        self.node_health.sync(snapshot)
-        self.services.sync(snapshot)
-        self.sync_metrics.sync(snapshot)
-
     async def stop(self) -> None:
         """Close every listener; afterwards every port of this sidecar refuses."""
         self._stopped = True
-        self.hub.unsubscribe(self._on_snapshot)
-        self.hub.remove_preparer(self._prepare)
         for task in self._retries:
             task.cancel()
         await asyncio.gather(*self._retries, return_exceptions=True)

@@ -11,19 +11,9 @@ connection and adds them once, when the connection ends.
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-)
+from prometheus_client import Counter, Gauge, Histogram
 
-# kube-proxy exposes no ``*_created`` series; scrapers written for it should
-# see the same families from kpx.
-disable_created_metrics()
-
-REGISTRY = CollectorRegistry(auto_describe=True)
+from healthz.registry import REGISTRY
 
 SYNC_DURATION = Histogram(
     "kubeproxy_sync_proxy_rules_duration_seconds",
@@ -51,18 +41,6 @@ NO_LOCAL_ENDPOINTS = Gauge(
     "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
     "Number of services with a Local traffic policy and no endpoints",
     ["traffic_policy"],
-    registry=REGISTRY,
-)
-HEALTHZ_TOTAL = Counter(
-    "kubeproxy_proxy_healthz",
-    "Cumulative proxy healthz HTTP status",
-    ["code"],
-    registry=REGISTRY,
-)
-LIVEZ_TOTAL = Counter(
-    "kubeproxy_proxy_livez",
-    "Cumulative proxy livez HTTP status",
-    ["code"],
     registry=REGISTRY,
 )
 STATE_RELOAD_ERRORS = Counter(

@@ -1,12 +1,13 @@
 """``kpx healthz``: the healthz sidecar alone, as its own process.
 
 Owns: the process shell of the sidecar form: flags (the same node flags as
-``kpx node``), its own ``StateHub`` fed by its own ``StateFileSource``, the
-uvloop event loop, and a clean exit 0 on SIGTERM/SIGINT.
+``kpx node``), its own ``StateHub`` fed by its own source, the proxier's
+one sync with no dataplane feeding a ``Sidecar``, the uvloop event loop, and
+a clean exit 0 on SIGTERM/SIGINT.
 
 Never: proxy traffic. In this form the health answers describe the state
-file as this process read it; ``kpx node`` runs the same ``Sidecar`` on the
-dataplane's own hub instead, which is the form that can never disagree with
+as this process read it; ``kpx node`` runs the same sync and ``Sidecar``
+beside its dataplane instead, which is the form that can never disagree with
 the dataplane.
 """
 
@@ -17,31 +18,38 @@ import asyncio
 import logging
 import signal
 
+from healthz.proxy_health import ProxyHealth
 from healthz.sidecar import Sidecar
+from proxy.commands.node import (
+    add_node_flags,
+    make_source,
+    run_on_uvloop,
+    start_source,
+    sync_config,
+)
+from proxy.proxier import Proxier
+from proxy.sources.hub import StateHub
+from proxy.sources.kubeapi import KubeConfigError
 
 log = logging.getLogger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from proxy.commands.node import add_node_flags
-
     add_node_flags(parser)
 
 
 async def serve(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT, then close every port and return 0."""
-    from proxy.commands.node import make_source, start_source
-    from proxy.sources.hub import ProxyHealth, StateHub
-    from proxy.sources.kubeapi import KubeConfigError
-
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
-    sidecar = Sidecar.from_flags(hub, args)
+    sidecar = Sidecar.from_flags(hub.health, args)
     try:
         source = make_source(args, hub)
     except KubeConfigError as e:
         log.error("%s", e)
         return 2
+    proxier = Proxier(sync_config(args), services=sidecar.services, health=hub.health)
+    proxier.attach(hub)
     await sidecar.start()
 
     stop = asyncio.Event()
@@ -58,6 +66,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("state source died", exc_info=watcher.exception())
 
     source.stop()
+    proxier.detach(hub)
     await sidecar.stop()
     for task in (watcher, stopper):
         task.cancel()
@@ -69,6 +78,4 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.commands.node import run_on_uvloop
-
     return run_on_uvloop(serve(args))

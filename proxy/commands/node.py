@@ -1,9 +1,10 @@
 """``kpx node``: one node's proxy, wired together.
 
 Owns: flags (named as kube-proxy names them), the event loop, signals, and
-the wiring source -> hub -> {dataplane, healthz}. Both readers see the very
-same Snapshot object, so the healthCheckNodePort can never claim endpoints
-the dataplane does not forward to.
+the wiring source -> hub -> proxier -> {dataplane, healthz}. One sync
+computes what each snapshot means and hands both the same result, so the
+healthCheckNodePort can never claim endpoints the dataplane does not
+forward to.
 
 Never: make a forwarding decision or touch a socket itself.
 
@@ -40,25 +41,29 @@ import os
 import resource
 import signal
 import socket
-import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from proxy import metrics
+import uvloop
+
+from healthz.proxy_health import ProxyHealth
+from healthz.sidecar import Sidecar
 from proxy.commands.check import add_max_bytes_flag
-from proxy.core.model import Snapshot
+from proxy.commands.workers import supervise
+from proxy.core.addresses import parse_nodeport_addresses
+from proxy.core.sync import SyncConfig
 from proxy.lifecycle.ownership import Ownership, OwnershipError, Successor
-from proxy.sources.hub import ProxyHealth, StateHub
+from proxy.proxier import Proxier
+from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateFileSource
+from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
 from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
 
 log = logging.getLogger(__name__)
 
-SLOW_APPLY = 0.1
-"""Seconds above which an apply is logged at info (every one is at debug)."""
 HANDOVER_WAIT = 2.0
 """``--handover-wait``: long enough for a successor started with the SIGTERM to
 reach its handover request (a Python start, about half a second); short, because
@@ -86,10 +91,8 @@ parse_timeout.__name__ = "duration"  # argparse names the type: "invalid duratio
 
 
 def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    if not text:
-        return []
     try:
-        return [ipaddress.ip_network(c.strip(), strict=False) for c in text.split(",") if c.strip()]
+        return parse_nodeport_addresses(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
 
@@ -210,26 +213,16 @@ async def start_source(
     return task
 
 
-def timed_reader(reader: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
-    """Wrap the dataplane's apply with kube-proxy's sync metrics."""
-
-    def apply(snapshot: Snapshot) -> None:
-        start = time.perf_counter()
-        reader(snapshot)
-        done = time.time()
-        elapsed = time.perf_counter() - start
-        metrics.SYNC_DURATION.observe(elapsed)
-        log.log(logging.INFO if elapsed >= SLOW_APPLY else logging.DEBUG,
-                "generation %d applied in %.0f ms", snapshot.generation, elapsed * 1000)
-        metrics.SYNC_LAST_TIMESTAMP.set(done)
-
-    apply.__qualname__ = f"timed({getattr(reader, '__qualname__', reader)})"
-    return apply
+def sync_config(args: argparse.Namespace) -> SyncConfig:
+    """What the flags say about the rules, for the proxier's sync."""
+    return SyncConfig(
+        node_name=args.hostname_override,
+        masquerade_all=getattr(args, "masquerade_all", False),
+        nodeport_cidrs=tuple(args.nodeport_addresses or ()),
+    )
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from proxy.userspace.dataplane import Dataplane
-
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
     # Bad flags or credentials fail here, before anything touches the namespace.
@@ -245,10 +238,7 @@ async def serve(args: argparse.Namespace) -> int:
     # from; its first sync adopts them instead of binding new ones.
     claim = ownership.claim if ownership is not None else None
     dataplane = Dataplane(
-        args.hostname_override,
         loop=loop,
-        nodeport_cidrs=args.nodeport_addresses or None,
-        masquerade_all=args.masquerade_all,
         transparent=not args.no_transparent,
         connect_timeout=args.connect_timeout,
         cluster_cidrs=args.cluster_cidr,
@@ -259,8 +249,15 @@ async def serve(args: argparse.Namespace) -> int:
         tcp_timeout_close_wait=args.conntrack_tcp_timeout_close_wait,
         inherited=claim.take_listeners() if claim is not None else None,
     )
-    hub.subscribe(timed_reader(dataplane.apply))
-    hub.add_preparer(dataplane.prepare)  # plans built in the source's worker thread
+    sidecar = None
+    if not args.no_healthz and worker_index == 0:
+        sidecar = Sidecar.from_flags(hub.health, args)
+    Proxier(
+        sync_config(args),
+        dataplane=dataplane,
+        services=sidecar.services if sidecar is not None else None,
+        health=hub.health,
+    ).attach(hub)
 
     watcher = await start_source(source, args.sync_period)
 
@@ -275,11 +272,6 @@ async def serve(args: argparse.Namespace) -> int:
             name="return-path-guard",
         )
 
-    sidecar = None
-    if not args.no_healthz and worker_index == 0:
-        from healthz.sidecar import Sidecar
-
-        sidecar = Sidecar.from_flags(hub, args)
     sidecar_started = False
 
     async def start_sidecar() -> None:
@@ -426,12 +418,7 @@ def presize_fd_table(limit: int | None = None) -> int:
 
 
 def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
-    """Run ``main`` on uvloop, or on the default loop if uvloop is missing."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        log.warning("uvloop missing; using the default asyncio loop")
-        return asyncio.run(main)
+    """Run ``main`` on uvloop, the loop kube-proxy's userspace relay needs to keep up."""
     return uvloop.run(main)
 
 
@@ -465,8 +452,6 @@ def run(args: argparse.Namespace) -> int:
     args.ownership = ownership
     try:
         if args.workers > 1:
-            from proxy.lifecycle.workers import supervise
-
             return supervise(args, run_worker)
         return run_worker(args)
     finally:

@@ -16,10 +16,8 @@ eligible or just failed is replaced by a fresh pick.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from proxy.core.endpoints import EndpointInfo
+from proxy.core.endpoints import EndpointInfo
 
 _REAP_EVERY = 1024
 """Sweep expired affinity records after this many picks, bounding memory."""

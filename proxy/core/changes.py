@@ -86,6 +86,14 @@ class ChangeTracker:
         self._all = True
         self._nodes = True
 
+    def merge(self, changes: Changes) -> None:
+        """Give back what ``take`` handed out: the state built from it was not published."""
+        if changes.services is None:
+            self.everything()
+            return
+        self._services |= changes.services
+        self._nodes = self._nodes or changes.nodes
+
     @property
     def pending(self) -> bool:
         """Whether any change was recorded since the last ``take``."""

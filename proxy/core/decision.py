@@ -25,12 +25,10 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from itertools import compress
-from operator import is_, is_not
 
 from proxy.core.balancer import Balancer
 from proxy.core.endpoints import EndpointInfo, categorize_endpoints, service_port_endpoints
-from proxy.core.model import EndpointSlice, Service, ServicePort, Snapshot
+from proxy.core.model import Service, ServicePort, Snapshot
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
@@ -40,7 +38,8 @@ class Forward:
     """Connect to ``endpoint``; ``why`` is the rule that chose the candidates.
 
     The full ``reason`` is spelled out only when asked for (logs, tools):
-    building it for every connection cost about 1 µs of the hot path.
+    a string built for every connection is paid on the hot path (see
+    docs/PERFORMANCE.md, "Figures moved out of docstrings").
     """
 
     endpoint: EndpointInfo
@@ -129,88 +128,55 @@ def build_plan(
     )
 
 
+PROXIED_TYPES = ("NodePort", "LoadBalancer")
+"""Service types whose NodePorts kpx serves."""
+
+
 def proxied_services(snapshot: Snapshot) -> Iterable[Service]:
     """Services whose NodePorts kpx serves; parse has already dropped ignored ones."""
-    return (s for s in snapshot.services if s.type in ("NodePort", "LoadBalancer"))
-
-
-_Entry = tuple[Service, tuple[EndpointSlice, ...], tuple[PortPlan, ...]]
-"""A service, the slices its plans were built from, and those plans."""
+    return (s for s in snapshot.services if s.type in PROXIED_TYPES)
 
 
 class PlanCache:
-    """Last sync's plans per service, so ``build_plans`` rebuilds only what changed.
+    """Last sync's plans per service, so ``build_plans`` rebuilds only what the source says changed.
 
     A service's plans are a pure function of the Service, the slices the
-    snapshot holds for it, the node name and ``masquerade_all``. When a
-    service's Service object is the very same one as last time (``is``:
-    ``proxy.k8s.StateParser`` hands out the same immutable objects for every
-    document that did not change) and its slices compare equal (a tuple
-    compare, which tries ``is`` first), its last PortPlans are reused as
-    they are. Reuse is safe because every PortPlan is frozen and holds only
-    immutable values, and it lets a caller diff two tables by identity:
-    ``new[port] is old[port]`` means nothing changed for that port.
+    snapshot holds for it, the node name and ``masquerade_all``. The source
+    that made the snapshot says which services' Service or slices changed
+    (``snapshot.changes``, see ``proxy.core.changes``), relative to an
+    earlier generation. When that generation is the one this cache last
+    built from, only those services' plans are rebuilt; every other
+    PortPlan is handed back as the very same object. Otherwise (the first
+    build, changes relative to something else, nobody said what changed, a
+    different node name or ``masquerade_all``) everything is built afresh.
 
-    When the services are the very same objects in the same order and only
-    slices changed (an endpoint came, went or changed condition), the
-    changed slices are found by comparing the two snapshots' slice tuples
-    position by position, in C, and only their services are looked at; the
-    table keeps its order because no service or port moved.
+    Reuse is safe because every PortPlan is frozen and holds only immutable
+    values, and it lets a caller diff two tables by identity: ``new[port] is
+    old[port]`` means nothing changed for that port.
 
-    Pure bookkeeping, no I/O. One cache per table being maintained (a
-    dataplane, a healthz sidecar); a different node name or
-    ``masquerade_all`` starts it afresh. ``built`` and ``reused`` count
-    services in the last ``build_plans`` call.
+    Pure bookkeeping, no I/O. One cache per table being maintained (one per
+    proxier). ``built`` and ``reused`` count services in the last
+    ``build_plans`` call.
     """
 
-    __slots__ = (
-        "_entries",
-        "_inputs",
-        "_plans",
-        "_services",
-        "_slices",
-        "_unique_keys",
-        "built",
-        "reused",
-    )
+    __slots__ = ("_generation", "_inputs", "_plans_of", "_table", "built", "reused")
 
     def __init__(self) -> None:
-        self._reset(None)
+        self._inputs: tuple[str, bool] | None = None
+        self._generation: int | None = None
+        self._plans_of: dict[str, tuple[PortPlan, ...]] = {}
+        """Service key -> its plans, for every proxied service of the last build."""
+        self._table: dict[int, PortPlan] = {}
         self.reused = 0
         self.built = 0
 
-    def _reset(self, inputs: tuple[str, bool] | None) -> None:
-        self._inputs = inputs
-        self._entries: dict[str, _Entry] = {}
-        self._services: tuple[Service, ...] = ()
-        self._slices: tuple[EndpointSlice, ...] = ()
-        self._plans: dict[int, PortPlan] = {}
-        self._unique_keys = False
-
-    def _remember(
-        self, snapshot: Snapshot, plans: dict[int, PortPlan], built: int
-    ) -> dict[int, PortPlan]:
-        """Keep this call's inputs and table; the caller gets a copy it may change."""
-        self._services, self._slices, self._plans = snapshot.services, snapshot.slices, plans
-        self.built = built
-        self.reused = len(self._entries) - built
-        return dict(plans)
-
-    def _slices_changed_for(self, snapshot: Snapshot) -> set[str] | None:
-        """Keys of the services whose slices changed, if nothing else did; else None."""
-        services, slices = snapshot.services, snapshot.slices
-        if (
-            not self._unique_keys  # Then a key does not name one service.
-            or len(services) != len(self._services)
-            or not all(map(is_, services, self._services))
-            or len(slices) != len(self._slices)
-        ):
+    def changed_since_last(
+        self, snapshot: Snapshot, node_name: str, masquerade_all: bool
+    ) -> frozenset[str] | None:
+        """The service keys to rebuild for ``snapshot``, or None to rebuild all."""
+        if self._inputs != (node_name, masquerade_all):
             return None
-        keys: set[str] = set()
-        for i in compress(range(len(slices)), map(is_not, slices, self._slices)):
-            keys.add(slices[i].service_key)
-            keys.add(self._slices[i].service_key)
-        return keys
+        return snapshot.changes.relative_to(self._generation)
 
 
 def _service_plans(
@@ -229,56 +195,54 @@ def build_plans(
     masquerade_all: bool = False,
     cache: PlanCache | None = None,
 ) -> dict[int, PortPlan]:
-    """The whole node's decision table, keyed by nodePort (TCP only).
+    """The whole node's decision table, keyed by nodePort (TCP only), in service order.
 
-    With a ``cache``, services whose inputs did not change since the last
-    call with that cache keep their PortPlan objects (see ``PlanCache``);
-    the table is equal, and in the same order, either way.
+    With a ``cache``, only the services ``snapshot.changes`` names are
+    rebuilt when it can (see ``PlanCache``); the table is equal, and in the
+    same order, either way.
     """
-    plans: dict[int, PortPlan] = {}
-    if cache is None:
-        for svc in proxied_services(snapshot):
-            for plan in _service_plans(snapshot, node_name, svc, masquerade_all):
-                plans[plan.port.node_port] = plan
-        return plans
-
-    if cache._inputs != (node_name, masquerade_all):
-        cache._reset((node_name, masquerade_all))
-    last = cache._entries
-    built = 0
-
-    changed = cache._slices_changed_for(snapshot)
-    if changed is not None:
-        plans = dict(cache._plans)
+    changed = None if cache is None else cache.changed_since_last(
+        snapshot, node_name, masquerade_all
+    )
+    if changed is None:
+        services = list(proxied_services(snapshot))
+        every = [_service_plans(snapshot, node_name, svc, masquerade_all) for svc in services]
+        plans_of = dict(zip([svc.key for svc in services], every, strict=True))
+        # From the list, not ``plans_of``: a hand-made snapshot may hold two
+        # services under one key, and both serve.
+        table = {plan.port.node_port: plan for plans in every for plan in plans}
+        built = len(every)
+    else:
+        assert cache is not None
+        plans_of, table, built = cache._plans_of, dict(cache._table), 0
+        moved = False
         for key in changed:
+            old = plans_of.pop(key, ())
             service = snapshot.service(key)
-            entry = last.get(key)
-            if entry is None or service is None:
-                continue  # Not a proxied service (or its slice's service is gone).
-            slices = snapshot.slices_for(service)
-            if entry[1] == slices:
-                continue
-            entry = (service, slices,
-                     _service_plans(snapshot, node_name, service, masquerade_all))
-            last[key] = entry
-            built += 1
-            for plan in entry[2]:
-                plans[plan.port.node_port] = plan
-        return cache._remember(snapshot, plans, built)
-
-    entries: dict[str, _Entry] = {}
-    for svc in proxied_services(snapshot):
-        slices = snapshot.slices_for(svc)
-        entry = last.get(svc.key)
-        if entry is None or entry[0] is not svc or entry[1] != slices:
-            entry = (svc, slices, _service_plans(snapshot, node_name, svc, masquerade_all))
-            built += 1
-        entries[svc.key] = entry
-        for plan in entry[2]:
-            plans[plan.port.node_port] = plan
-    cache._entries = entries
-    cache._unique_keys = len({svc.key for svc in snapshot.services}) == len(snapshot.services)
-    return cache._remember(snapshot, plans, built)
+            plans: tuple[PortPlan, ...] = ()
+            if service is not None and service.type in PROXIED_TYPES:
+                plans_of[key] = plans = _service_plans(snapshot, node_name, service, masquerade_all)
+                built += 1
+            if [p.port.node_port for p in old] != [p.port.node_port for p in plans]:
+                moved = True
+            elif not moved:
+                for plan in plans:  # same ports: each keeps its place in the table
+                    table[plan.port.node_port] = plan
+        if moved:
+            # A port came, went or passed between services: one pass in
+            # service order, every unchanged plan reused as it is.
+            table = {
+                plan.port.node_port: plan
+                for svc in proxied_services(snapshot)
+                for plan in plans_of[svc.key]
+            }
+    if cache is None:
+        return table
+    cache._inputs = (node_name, masquerade_all)
+    cache._generation = snapshot.generation
+    cache._plans_of, cache._table = plans_of, table
+    cache.built, cache.reused = built, len(plans_of) - built
+    return dict(table)
 
 
 def is_node_source(client_ip: str, local_addresses: Collection[str]) -> bool:

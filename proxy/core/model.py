@@ -204,6 +204,10 @@ class Snapshot:
     def slices_for(self, service: Service) -> tuple[EndpointSlice, ...]:
         return self._slices_by_service.get(service.key, ())
 
+    def slices_of(self, key: str) -> tuple[EndpointSlice, ...]:
+        """The slices of the service called ``namespace/name``, in stream order."""
+        return self._slices_by_service.get(key, ())
+
 
 _T = TypeVar("_T")
 _SERVICE_KEY: Callable[[Service], str] = attrgetter("key")

@@ -46,10 +46,15 @@ Theory of operation (client-go's reflector, cut down to what kpx needs):
   it takes about a second, which on the event loop would stall every
   relayed connection. Cached objects are never mutated once cached, so the
   thread reads them without a lock.
-- Objects equal to those of the last published snapshot are handed on as
-  the very same objects, so readers reuse their plans by identity as they
-  do with the file source, and a batch that changed nothing kpx reads (a
-  Node heartbeat, a Service's status) publishes nothing.
+- What changed is said, not inferred: each watch event names its object,
+  so it goes to a ``ChangeTracker`` (``proxy.core.changes``) as the key of
+  the Service it concerns (an EndpointSlice's is its
+  ``kubernetes.io/service-name`` label, before and after the event); a list
+  says "everything". Each published snapshot carries those keys, less the
+  ones whose objects came out equal to the last published ones, so the
+  proxier rebuilds exactly the services that changed. A batch that changed
+  nothing kpx reads (a Node heartbeat, a Service's status) publishes
+  nothing, and a refused state hands its keys back for the next build.
 """
 
 from __future__ import annotations
@@ -64,18 +69,24 @@ import random
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from operator import attrgetter, is_
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import yaml
 
 from proxy import metrics
+from proxy.core.changes import Changes, ChangeTracker
 from proxy.core.model import Snapshot
-from proxy.k8s import HEADLESS_LABEL, SERVICE_PROXY_NAME_LABEL, StateError, parse_objects
+from proxy.k8s import (
+    HEADLESS_LABEL,
+    SERVICE_NAME_LABEL,
+    SERVICE_PROXY_NAME_LABEL,
+    StateError,
+    parse_objects,
+)
 from proxy.sources.hub import StateHub
 
 log = logging.getLogger(__name__)
@@ -581,6 +592,7 @@ class KubeAPISource:
         self._force = False
         self._last_build_seconds = 0.0
         self._published: Snapshot | None = None
+        self._tracker = ChangeTracker()
         self._refused: tuple[str, ...] | None = None
         """The problems of the last refused state, so that each set is logged once."""
 
@@ -733,6 +745,7 @@ class KubeAPISource:
         if type(version) is not str or not version:
             raise _StreamError(f"{kind.plural} list has no metadata.resourceVersion")
         kind.objects = objects
+        self._tracker.everything()  # A list replaces what was known of this kind.
         kind.resource_version = version
         kind.list_from = None
         log.info(
@@ -815,9 +828,11 @@ class KubeAPISource:
             else:
                 key, value = entry
                 if what == "DELETED":
-                    kind.objects.pop(key, None)
+                    old = kind.objects.pop(key, None)
                 else:
+                    old = kind.objects.get(key)
                     kind.objects[key] = value
+                self._record(kind, key, old, value)
                 log.debug("%s %s %s", what, kind.kind, key)
                 self._changed()
         elif what != "BOOKMARK":
@@ -825,6 +840,21 @@ class KubeAPISource:
             return
         if type(version) is str and version:
             kind.resource_version = version
+
+    def _record(
+        self, kind: _Kind, key: str, old: dict[str, Any] | None, new: dict[str, Any]
+    ) -> None:
+        """Tell the change tracker which service (or node) an event concerns."""
+        if kind.kind == "Node":
+            self._tracker.node()
+        elif kind.kind == "Service":
+            self._tracker.service(key)
+        else:
+            namespace = key.partition("/")[0]
+            for obj in (old, new):
+                service = _service_name(obj)
+                if service is not None:
+                    self._tracker.slices_of(f"{namespace}/{service}")
 
     @staticmethod
     def _prepare(kind: _Kind, raw: object) -> tuple[str, dict[str, Any]] | None:
@@ -916,14 +946,17 @@ class KubeAPISource:
         """Parse the whole cache (in a thread) and publish it if good and different."""
         self._dirty = False
         documents = [obj for kind in self._kinds for obj in kind.objects.values()]
+        changes = self._tracker.take(since=self.generation if self._published else None)
         started = time.perf_counter()
         try:
             snapshot, changed = await asyncio.to_thread(
-                _build, documents, self.generation + 1, self._published
+                _build, documents, self.generation + 1, self._published, changes
             )
         except StateError as err:
+            self._tracker.merge(changes)
             self._refuse(err)
         except Exception:
+            self._tracker.merge(changes)
             log.exception("building a state from the API failed; the last good state stays")
         else:
             self._publish(snapshot, changed)
@@ -960,7 +993,6 @@ class KubeAPISource:
         self._force = False
         self.generation = snapshot.generation
         self._published = snapshot
-        metrics.SYNC_LAST_QUEUED_TIMESTAMP.set_to_current_time()
         log.info(
             "API state: generation %d (%d nodes, %d services, %d endpoint slices)",
             snapshot.generation,
@@ -972,40 +1004,46 @@ class KubeAPISource:
         self._first.set()
 
 
-_T = TypeVar("_T")
-_NODE_KEY: Callable[[Any], str] = attrgetter("name")
-_SERVICE_KEY: Callable[[Any], str] = attrgetter("key")
-
-
-def _slice_key(s: Any) -> str:
-    return f"{s.namespace}/{s.name}"
-
-
-def _reuse(new: Sequence[_T], old: Sequence[_T], key: Callable[[_T], str]) -> tuple[_T, ...]:
-    """``new``, with every item equal to its namesake in ``old`` replaced by that one."""
-    previous = {key(item): item for item in old}
-    return tuple(p if (p := previous.get(key(item))) == item else item for item in new)
-
-
-def _same(a: Sequence[object], b: Sequence[object]) -> bool:
-    return len(a) == len(b) and all(map(is_, a, b))
+def _service_name(obj: dict[str, Any] | None) -> str | None:
+    """An EndpointSlice's ``kubernetes.io/service-name`` label, if it has one."""
+    meta = obj.get("metadata") if obj is not None else None
+    labels = meta.get("labels") if type(meta) is dict else None
+    name = labels.get(SERVICE_NAME_LABEL) if type(labels) is dict else None
+    return name if type(name) is str else None
 
 
 def _build(
-    documents: Iterable[object], generation: int, last: Snapshot | None
+    documents: Iterable[object], generation: int, last: Snapshot | None, changes: Changes
 ) -> tuple[Snapshot, bool]:
-    """``parse_objects``, then reuse what did not change; True if anything did.
+    """``parse_objects``, with ``changes`` narrowed to what really differs; True if anything does.
 
-    Runs in a worker thread: it touches nothing but its arguments, and a
-    Snapshot is immutable.
+    A key the tracker named whose Service and slices came out equal to the
+    last published ones (a status update, a label kpx does not read) is
+    dropped from the changes. Runs in a worker thread: it touches nothing
+    but its arguments, and a Snapshot is immutable.
     """
     snapshot = parse_objects(documents, generation)
     if last is None:
         return snapshot, True
-    nodes = _reuse(snapshot.nodes, last.nodes, _NODE_KEY)
-    services = _reuse(snapshot.services, last.services, _SERVICE_KEY)
-    slices = _reuse(snapshot.slices, last.slices, _slice_key)
-    changed = not (
-        _same(nodes, last.nodes) and _same(services, last.services) and _same(slices, last.slices)
-    )
-    return Snapshot(nodes=nodes, services=services, slices=slices, generation=generation), changed
+    if changes.services is None:
+        changed = (
+            snapshot.nodes != last.nodes
+            or snapshot.services != last.services
+            or snapshot.slices != last.slices
+        )
+    else:
+        keys = frozenset(
+            key for key in changes.services
+            if snapshot.service(key) != last.service(key)
+            or snapshot.slices_of(key) != last.slices_of(key)
+        )
+        nodes = changes.nodes and snapshot.nodes != last.nodes
+        changes = Changes(since=changes.since, services=keys, nodes=nodes)
+        changed = nodes or bool(keys)
+    return Snapshot(
+        nodes=snapshot.nodes,
+        services=snapshot.services,
+        slices=snapshot.slices,
+        generation=generation,
+        changes=changes,
+    ), changed

@@ -44,7 +44,8 @@ stream's decoded documents, so an edit to one endpoint of a 10,000-service
 file re-decodes one document, and the unchanged objects in the new snapshot
 are the very same ones as before (readers can reuse their plans by
 identity). "Did the content change" is a bytes comparison with the last
-content, not a digest: a memcmp of a 16 MiB state costs ~1 ms, a blake2b ~20.
+content, not a digest: a memcmp is an order of magnitude cheaper than
+hashing the same bytes (docs/PERFORMANCE.md, "State file").
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ INLINE_MAX_BYTES = 64 << 10
 """States up to this size (about 45 services) are read and parsed on the loop: ~2 ms.
 
 The first thread a process starts switches glibc to its multi-threaded paths
-for good (cancellable syscall wrappers, malloc locks): callgrind counts 2.5%
-more user instructions per relayed connection after it, thread joined or not.
-A lab or bench node never needs the loader thread; a big state pays that
-cost, and would stall the loop for seconds without the thread."""
+for good (cancellable syscall wrappers, malloc locks), and every relayed
+connection pays for them from then on, thread joined or not
+(docs/PERFORMANCE.md, "Threads and the relay"). A lab or bench node never
+needs the loader thread; a big state pays that cost, and would stall the
+loop for seconds without the thread."""
 
 DEFAULT_MAX_BYTES = 128 << 20
 """``--state-max-bytes``: 30,000 NodePort services x 3 endpoints are 26 MB as the
@@ -115,9 +117,10 @@ LOOP_SWITCH_INTERVAL = 0.0002
 
 The relay calls socket methods that drop the GIL around every syscall; with
 a parser thread holding it, each takes it back only after the switch
-interval, so a new connection (a dozen such calls) waited 50-100 ms, and
-whole seconds when the machine was busy. 0.2 ms bounds that wait; the
-parser pays a little only while the loop actually wants the GIL."""
+interval, and a new connection makes a dozen such calls, so at the default
+it waits a dozen intervals (and more on a busy machine: docs/PERFORMANCE.md,
+"State file"). 0.2 ms bounds each wait; the parser pays a little only
+while the loop actually wants the GIL."""
 
 WORKER_NICE = 10
 """The loader thread's nice value (Linux sets it per thread): when the loop and
@@ -387,7 +390,8 @@ class StateFileSource:
             big = self._keep_out_of_gc(snapshot)
             # The readers' pure work (plans) too, while we are off the loop,
             # with the GC held off as for the parse: a collection walking the
-            # new plans held the GIL 11 ms.
+            # new plans holds the GIL (docs/PERFORMANCE.md, "GIL holds during
+            # a 50,000-service apply").
             with gc_paused():
                 self.hub.prepare(snapshot)
             if big:
@@ -400,12 +404,13 @@ class StateFileSource:
 
         After a 50,000-service parse the heap holds ~2 M new tracked objects,
         and the first full collection that follows (triggered by any
-        allocation, in any thread) walks them all in 0.7 s *holding the GIL*:
-        the loop stalls as if it parsed itself. Frozen objects are never
-        walked. A state is acyclic (``proxy.util.gcpause``), so reference counting
-        still frees it when it is replaced; the cost is that garbage *cycles*
-        alive at this instant wait for the next unfreeze (``gc_paused`` does
-        one after each big build) instead of the next full collection.
+        allocation, in any thread) walks them all *holding the GIL*
+        (docs/PERFORMANCE.md, "State file"): the loop stalls as if it parsed
+        itself. Frozen objects are never walked. A state is acyclic
+        (``proxy.util.gcpause``), so reference counting still frees it when it
+        is replaced; the cost is that garbage *cycles* alive at this instant
+        wait for the next unfreeze (``gc_paused`` does one after each big
+        build) instead of the next full collection.
         """
         last = self.parser.last
         fresh = last.subset + last.pyyaml if last.mode == "chunks" else (
@@ -459,7 +464,6 @@ class StateFileSource:
         self.generation = snapshot.generation
         self._published = out.data
         self._refused = None
-        metrics.SYNC_LAST_QUEUED_TIMESTAMP.set_to_current_time()
         log.info(
             "state file %s: generation %d (%d nodes, %d services, %d endpoint slices), "
             "read and parsed in %.0f ms",

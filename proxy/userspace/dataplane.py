@@ -1,26 +1,25 @@
-"""The node's NodePort dataplane: snapshots in, listeners and relays out.
+"""The userspace NodePort dataplane: a sync's plans in, listeners and relays out.
 
-Owns: turning each published ``Snapshot`` into this node's decision table
-(``decision.build_plans``) and reconciling the listening sockets to match,
-like kube-proxy's sync loop; the per-service-port balancers (kept across
-syncs so ClientIP affinity survives reloads); the transparent return path
-for the process's lifetime; and the SIGTERM sequence (stop accepting, drain,
-close).
+Owns: putting each sync's decision table (``proxy.core.sync.SyncResult``,
+computed by the proxier) in force and reconciling the listening sockets to
+match; the per-service-port balancers (kept across syncs so ClientIP
+affinity survives reloads); the transparent return path for the process's
+lifetime; and the SIGTERM sequence (stop accepting, drain, close).
 
-Never: parse state, handle signals, block the event loop for long, or let
-one bad listener stop the others: a bind or filter failure is logged with
-service, address and port, and retried every ``retry_interval`` and on the
-next sync.
+Never: read a snapshot or build plans (the proxier's one sync does),
+handle signals, block the event loop for long, or let one bad listener stop
+the others: a bind or filter failure is logged with service, address and
+port, and retried every ``retry_interval`` and on the next sync.
 
-Keeping the loop free during a big sync: the plans are built by ``prepare``
-in the source's worker thread when the source offers it (``StateHub``
-preparers), and ``apply`` on the loop finds them ready. ``apply`` swaps the
-decision table at once, then reconciles listeners ``RECONCILE_BATCH`` at a
-time, yielding to the loop between batches: 10,000 new listeners take about
-150 ms to bind, which in one piece would hold every new connection and
-health probe that long. A sync with fewer changes than one batch finishes
-inside ``apply``, as before; a newer ``apply`` supersedes the rest of an
-unfinished one.
+Keeping the loop free during a big sync: ``prepare`` builds the forwarder's
+port table and the wanted listeners in the source's worker thread when the
+proxier offers it (``StateHub`` preparers), and ``apply`` on the loop finds
+them ready. ``apply`` swaps the decision table at once, then reconciles
+listeners ``RECONCILE_BATCH`` at a time, yielding to the loop between
+batches: binding 10,000 new listeners in one piece would hold every new
+connection and health probe for as long as that takes. A sync with fewer
+changes than one batch finishes inside ``apply``; a newer ``apply``
+supersedes the rest of an unfinished one.
 
 Per (address, nodePort), from the plan:
 
@@ -33,11 +32,12 @@ Per (address, nodePort), from the plan:
   sources are always local;
 - otherwise a plain listener.
 
-Addresses (``listen_addresses``): without ``--nodeport-addresses``, one
-wildcard ``0.0.0.0`` socket per NodePort, which is iptables mode's
-``--dst-type LOCAL``: every local address, 127.0.0.1 included, whether or not
-the Node object lists it. With CIDRs, one socket per node IP (IPv4, from the
-Node object) and 127.0.0.1 that falls inside one of them, as in kube-proxy.
+Addresses (``SyncResult.listen_hosts``, ``proxy.core.addresses``): without
+``--nodeport-addresses``, one wildcard ``0.0.0.0`` socket per NodePort, which
+is iptables mode's ``--dst-type LOCAL``: every local address, 127.0.0.1
+included, whether or not the Node object lists it. With CIDRs, one socket
+per node IP (IPv4, from the Node object) and 127.0.0.1 that falls inside one
+of them, as in kube-proxy.
 """
 
 from __future__ import annotations
@@ -47,16 +47,15 @@ import ipaddress
 import logging
 import resource
 import socket
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from proxy import metrics
+from proxy.core.addresses import LOCALHOST, Network
 from proxy.core.balancer import Balancer
-from proxy.core.decision import PlanCache, PortPlan, build_plans
-from proxy.core.model import Snapshot
-from proxy.sources.hub import Prepared
+from proxy.core.decision import PortPlan
+from proxy.core.sync import SyncResult
 from proxy.userspace import synfilter
 from proxy.userspace.forwarder import (
     TCP_TIMEOUT_CLOSE_WAIT,
@@ -67,18 +66,16 @@ from proxy.userspace.forwarder import (
 )
 from proxy.userspace.listener import AcceptSet, Listener
 from proxy.userspace.transparent import RoutingConfig, TransparentRouting, transparent_capable
+from proxy.util.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
-LOCALHOST = "127.0.0.1"
-WILDCARD = "0.0.0.0"
 LOG_EACH_LISTENER_UP_TO = 32
 RECONCILE_BATCH = 128
 """Listener operations (open, close, filter) per slice of the loop: about 2 ms of binds.
 
 Small, because a slice delays every step of what waits behind it: an HTTP
 probe of /healthz takes five loop iterations, each one slice late."""
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 ListenerKey = tuple[str, int]
 
 
@@ -95,55 +92,12 @@ class _PortTable(NamedTuple):
     """The service ports of the plans: every other balancer is dropped."""
 
 
-def _is_ipv4(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).version == 4
-    except ValueError:
-        return False
-
-
-def _ipv4_of(snapshot: Snapshot, node_name: str) -> tuple[str, ...]:
-    """The node's IPv4 addresses in ``snapshot`` (none if it is not there)."""
-    node = snapshot.node(node_name)
-    return () if node is None else tuple(ip for ip in node.ips if _is_ipv4(ip))
-
-
 def default_max_connections() -> int:
     """Half the fds we may open, less a reserve: each relay holds two."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 0
     return max(16, (soft - 128) // 2)
-
-
-def listen_addresses(
-    node_ips: Iterable[str], nodeport_cidrs: Iterable[Network] | None, bind_localhost: bool
-) -> list[str]:
-    """Where NodePorts listen, as kube-proxy's iptables mode accepts them.
-
-    Without ``--nodeport-addresses`` every local address serves NodePorts
-    (``-m addrtype --dst-type LOCAL``, 127.0.0.1 included): one wildcard
-    socket per NodePort says exactly that, and costs one fd instead of one
-    per address, which is what lets 10,000 services fit a 20,000-fd limit.
-    It also follows addresses that come and go without a sync: nothing to
-    rebind, nothing to retry. With CIDRs, only the node IPs (and 127.0.0.1)
-    inside them, one socket each. ``bind_localhost=False`` (no loopback
-    NodePorts) cannot be said with a wildcard, so it lists the node IPs.
-    """
-    cidrs = list(nodeport_cidrs or ())
-    if not cidrs and bind_localhost:
-        return [WILDCARD]
-    candidates = list(dict.fromkeys(node_ips))
-    if bind_localhost and LOCALHOST not in candidates:
-        candidates.append(LOCALHOST)
-    if not cidrs:
-        return candidates
-    out = []
-    for a in candidates:
-        ip = ipaddress.ip_address(a)
-        if any(ip.version == c.version and ip in c for c in cidrs):
-            out.append(a)
-    return out
 
 
 class Dataplane:
@@ -156,13 +110,9 @@ class Dataplane:
 
     def __init__(
         self,
-        node_name: str,
         *,
         loop: asyncio.AbstractEventLoop,
-        nodeport_cidrs: Iterable[str | Network] | None = None,
-        masquerade_all: bool = False,
         transparent: bool = False,
-        bind_localhost: bool = True,
         connect_timeout: float = 2.0,
         reuse_port: bool = False,
         backlog: int = 1024,
@@ -176,14 +126,7 @@ class Dataplane:
         tcp_timeout_close_wait: float = TCP_TIMEOUT_CLOSE_WAIT,
         inherited: Mapping[ListenerKey, socket.socket] | None = None,
     ) -> None:
-        self.node_name = node_name
         self.loop = loop
-        self.nodeport_cidrs: list[Network] | None = (
-            [ipaddress.ip_network(c, strict=False) for c in nodeport_cidrs]
-            if nodeport_cidrs else None
-        )
-        self.masquerade_all = masquerade_all
-        self.bind_localhost = bind_localhost
         self.reuse_port = reuse_port
         self.backlog = backlog
         self.retry_interval = retry_interval
@@ -217,15 +160,8 @@ class Dataplane:
         self._balancers: dict[str, Balancer] = {}
         self._metrics: dict[str, PortMetrics] = {}
         self._plans: dict[int, PortPlan] = {}
-        # Unchanged services keep their PortPlan objects across applies, so a
-        # one-endpoint change on 10,000 services rebuilds one plan, not all.
-        self._plan_cache = PlanCache()
-        self._plan_lock = threading.Lock()
-        """``prepare`` (a worker thread) and ``apply`` (the loop) share the cache."""
-        self._prepared: Prepared[
-            tuple[dict[int, PortPlan], dict[ListenerKey, bool], _PortTable]
-        ] = Prepared()
-        """What ``prepare`` built for one snapshot: its plans, wanted listeners and port table."""
+        self._prepared: Prepared[tuple[dict[ListenerKey, bool], _PortTable]] = Prepared()
+        """What ``prepare`` built for one sync: its wanted listeners and port table."""
         self._reconciling: Iterator[None] | None = None
         self._reconcile_handle: asyncio.Handle | None = None
         self._reconcile_started = 0.0
@@ -245,7 +181,6 @@ class Dataplane:
         self._retry_handle: asyncio.TimerHandle | None = None
         self._accepting = True
         self._closed = False
-        self._warned_no_node = False
         self.generation = -1
 
     # -- public API --------------------------------------------------------------
@@ -284,76 +219,50 @@ class Dataplane:
         """
         return [(key, lis.sock) for key, lis in self._listeners.items() if lis.sock is not None]
 
-    def prepare(self, snapshot: Snapshot) -> None:
-        """A ``StateHub`` preparer: build ``snapshot``'s plans now, in the caller's thread.
+    def prepare(self, sync: SyncResult) -> None:
+        """Build what ``apply(sync)`` needs, now, in the caller's thread (a hub preparer's).
 
-        Pure work (``build_plans``) that ``apply`` would otherwise do on the
-        loop: 70 ms for 10,000 NodePorts among 50,000 services.
+        Pure work that ``apply`` would otherwise do on the loop: the wanted
+        listeners, and the forwarder's port table (``_port_table``).
         """
         if self._closed:
             return
-        plans = self._build_plans(snapshot)
-        desired = self._desired_for(plans, _ipv4_of(snapshot, self.node_name))
-        self._prepared.put(snapshot, (plans, desired, self._port_table(plans)))
+        self._prepared.put(
+            sync, (self._desired_for(sync.plans, sync.listen_hosts), self._port_table(sync.plans))
+        )
 
-    def _build_plans(self, snapshot: Snapshot) -> dict[int, PortPlan]:
-        with self._plan_lock:  # prepare (a worker thread) and apply share the cache
-            return build_plans(
-                snapshot, self.node_name, self.masquerade_all, cache=self._plan_cache
-            )
-
-    def _desired_for(self, plans: dict[int, PortPlan], node_ips: tuple[str, ...]
-                     ) -> dict[ListenerKey, bool]:
+    @staticmethod
+    def _desired_for(
+        plans: dict[int, PortPlan], hosts: Iterable[str]
+    ) -> dict[ListenerKey, bool]:
         """Which listeners ``plans`` want, and whether each drops external SYNs (pure).
 
         The filter goes on every dropping listener but a 127.0.0.1 one: the
         wildcard one included, since the program itself lets the node's
         addresses and 127.0.0.0/8 through.
         """
-        addrs = listen_addresses(node_ips, self.nodeport_cidrs, self.bind_localhost)
+        hosts = tuple(hosts)
         return {
             (a, port): plan.drop_external and a != LOCALHOST
             for port, plan in plans.items()
             if plan.listen
-            for a in addrs
+            for a in hosts
         }
 
     def reconciling(self) -> bool:
         """Whether listener reconciliation is still under way (a big sync, in slices)."""
         return self._reconciling is not None
 
-    def apply(self, snapshot: Snapshot) -> None:
-        """Sync to ``snapshot``: swap the decision table, reconcile listeners (in slices)."""
+    def apply(self, sync: SyncResult) -> None:
+        """Put ``sync`` in force: swap the decision table, reconcile listeners (in slices)."""
         if self._closed:
             return
-        self.generation = snapshot.generation
-        node = snapshot.node(self.node_name)
-        if node is None:
-            if not self._warned_no_node:
-                log.warning(
-                    "node %r is not in the state (generation %d): its addresses are unknown, "
-                    "so only 127.0.0.0/8 counts as node-originated%s",
-                    self.node_name, snapshot.generation,
-                    "" if self.nodeport_cidrs is None and self.bind_localhost
-                    else "; listening on 127.0.0.1 only, where the CIDRs allow it",
-                )
-                self._warned_no_node = True
-            node_ips: tuple[str, ...] = ()
-        else:
-            self._warned_no_node = False
-            node_ips = _ipv4_of(snapshot, self.node_name)
-            if len(node_ips) != len(node.ips):
-                log.debug("node %s: non-IPv4 addresses ignored (IPv4 only)", self.node_name)
+        self.generation = sync.generation
+        prepared = self._prepared.take(sync)
+        desired, table = prepared if prepared is not None else (None, None)
+        self._swap_plans(sync.plans, table)
 
-        prepared = self._prepared.take(snapshot)
-        desired: dict[ListenerKey, bool] | None = None
-        table: _PortTable | None = None
-        if prepared is not None:
-            plans, desired, table = prepared
-        else:
-            plans = self._build_plans(snapshot)
-        self._swap_plans(plans, table)
-
+        node_ips = sync.node_ips
         if node_ips != self._node_ips:
             self._node_ips = node_ips
             self.forwarder.local_addresses = frozenset(node_ips)
@@ -362,14 +271,13 @@ class Dataplane:
                     node_ips, self.forwarder.cluster_cidrs
                 )
             except ValueError as exc:
-                log.error("node %s: cannot build the SYN filter: %s", self.node_name, exc)
+                log.error("cannot build the SYN filter for %s: %s", ", ".join(node_ips), exc)
                 self._program = None
 
-        self._desired = desired if desired is not None else self._desired_for(plans, node_ips)
+        self._desired = (
+            desired if desired is not None else self._desired_for(sync.plans, sync.listen_hosts)
+        )
         self._reconcile()
-        # SYNC_DURATION / SYNC_LAST_TIMESTAMP are observed around apply() by
-        # proxy.commands.node.timed_reader; the no-local-endpoints gauge belongs to the
-        # healthz sidecar's SyncMetrics, which serves it.
 
     async def stop_accepting(self) -> None:
         """Close every listener (SIGTERM step 1); relays keep running.
@@ -425,8 +333,8 @@ class Dataplane:
     def _port_table(self, plans: dict[int, PortPlan]) -> _PortTable:
         """The forwarder's table for ``plans``, made from the current one without changing it.
 
-        Pure, so ``prepare`` builds it in the source's thread: 10,000 new
-        PortStates took 10 ms on the loop. A plan that ``PlanCache`` handed
+        Pure, so ``prepare`` builds it in the source's thread, off the loop
+        that relays (10,000 new PortStates are a noticeable stall). A plan that ``PlanCache`` handed
         back unchanged keeps its PortState: one endpoint change among 10,000
         services rebuilds one, not 10,000.
         """

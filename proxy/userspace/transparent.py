@@ -46,13 +46,11 @@ import socket
 import subprocess
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
+from typing import NamedTuple, TypeVar, cast
 
+from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.lifecycle.ownership import BASE_NAME, live_pids, routing_lock, routing_lock_async
-
-if TYPE_CHECKING:
-    from proxy.sources.hub import ProxyHealth
 
 log = logging.getLogger(__name__)
 

@@ -15,25 +15,17 @@ import asyncio
 import socket
 import time
 
-import dp_backend
 import pytest
-from dpkit import endpoint_slice, node, service
-from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
+from lab.common import eventually
 from proxy import metrics
 from proxy.userspace.forwarder import LINKED, SWEEP_MAX_INTERVAL, Forwarder
+from tests.support.backends import Server
+from tests.support.loops import NODE_IP, free_port, run_on, serving, snap, web
 
 KEY = "default/web"
 SLACK = 2.0
 """Seconds a loaded machine may add to the sweep's own lateness."""
-
-
-def web(node_port: int, port: int):
-    return (
-        node(NODE, NODE_IP),
-        service("web", node_port, port),
-        endpoint_slice("web", port, [("127.0.0.1", NODE)]),
-    )
 
 
 def expired(reason: str) -> float:
@@ -55,11 +47,8 @@ def wait_reset(s: socket.socket, limit: float) -> float:
     raise AssertionError(f"expected a reset, got {data!r}")
 
 
-async def backend_saw(be: dp_backend.Server, event: tuple[str, str], timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while event not in be.events:
-        assert time.monotonic() < deadline, f"backend never saw {event}: {be.events}"
-        await asyncio.sleep(0.02)
+async def backend_saw(be: Server, event: tuple[str, str], timeout: float = 5) -> None:
+    await eventually(lambda: event in be.events, timeout, what=f"the backend to see {event}")
 
 
 def test_quiet_established_connection_is_reset_on_both_sides(loop_kind: str, backends) -> None:
@@ -172,10 +161,8 @@ def test_busy_connections_are_never_expired(loop_kind: str, backends) -> None:
             assert chats >= 10
             assert drips == int(run_for / 0.05)
             assert idle < 1.5 + SLACK  # the sweeps did run meanwhile
-            deadline = time.monotonic() + 5
-            while dp.active_connections():
-                assert time.monotonic() < deadline, "the finished connections must end"
-                await asyncio.sleep(0.02)
+            await eventually(lambda: not dp.active_connections(), 5,
+                             what="the finished connections to end")
 
     run_on(loop_kind, scenario)
     assert expired("established") + expired("close_wait") - before == 1
@@ -225,11 +212,8 @@ def test_zero_turns_expiry_off(loop_kind: str, backends) -> None:
             s = await asyncio.to_thread(socket.create_connection, (NODE_IP, np_), 5)
             try:
                 s.sendall(b"QUIET\n")
-                deadline = time.monotonic() + 5
-                while not (dp.active_connections() == 1 and all(
-                        r.phase == LINKED for r in dp.forwarder.active)):
-                    assert time.monotonic() < deadline, "never linked"
-                    await asyncio.sleep(0.02)
+                await eventually(lambda: dp.active_connections() == 1 and all(
+                    r.phase == LINKED for r in dp.forwarder.active), 5, what="linked")
                 assert dp.forwarder.sweep_interval == 0
                 assert dp.forwarder._sweep_timer is None
             finally:

@@ -16,23 +16,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from dpkit import endpoint_slice, node, service
-from dploop import NODE, NODE_IP, free_port, run_on, snap
 
 from proxy.metrics import REGISTRY
+from proxy.proxier import Proxier
 from proxy.userspace import forwarder
 from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.forwarder import Forwarder
+from tests.support.loops import NODE, NODE_IP, free_port, run_on, snap, web
+from tests.support.wiring import sync_config
 
 KEY = "default/web"
-
-
-def web(node_port: int, port: int, *ips: str):
-    return (
-        node(NODE, NODE_IP),
-        service("web", node_port, port),
-        endpoint_slice("web", port, [(ip, NODE) for ip in ips]),
-    )
 
 
 @pytest.fixture
@@ -78,8 +71,9 @@ def test_connect_timeout_moves_on_to_the_next_endpoint(
     caplog.set_level(logging.WARNING, logger="proxy.userspace.forwarder")
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), connect_timeout=0.3)
-        dp.apply(snap(*web(np_, stuck_port, "127.0.0.5", "127.0.0.9")))
+        dp = Dataplane(loop=asyncio.get_running_loop(), connect_timeout=0.3)
+        px = Proxier(sync_config(NODE), dataplane=dp)
+        px.sync(snap(*web(np_, stuck_port, "127.0.0.5", "127.0.0.9")))
         try:
             t0 = time.monotonic()
             answers = [await asyncio.to_thread(ask, np_) for _ in range(4)]
@@ -102,8 +96,9 @@ def test_every_stuck_connect_times_out_and_resets_its_client(
     np_ = free_port()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), connect_timeout=0.3)
-        dp.apply(snap(*web(np_, stuck_port, "127.0.0.5")))
+        dp = Dataplane(loop=asyncio.get_running_loop(), connect_timeout=0.3)
+        px = Proxier(sync_config(NODE), dataplane=dp)
+        px.sync(snap(*web(np_, stuck_port, "127.0.0.5")))
         try:
             t0 = time.monotonic()
             answers = await asyncio.gather(*(asyncio.to_thread(ask, np_) for _ in range(12)))
@@ -133,8 +128,9 @@ def test_counters_are_batched_and_the_active_gauge_is_live(
         return s
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
-        dp.apply(snap(*web(np_, be.port, "127.0.0.1")))
+        dp = Dataplane(loop=asyncio.get_running_loop())
+        px = Proxier(sync_config(NODE), dataplane=dp)
+        px.sync(snap(*web(np_, be.port, "127.0.0.1")))
         held: list[socket.socket] = []
         try:
             for _ in range(3):

@@ -13,22 +13,21 @@ import asyncio
 import itertools
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dpkit import wait_for
-from dploop import NODE, NODE_IP, free_port, run_on, snap
-from test_dp_listener import peer_name, web
 
+from lab.common import wait_until
 from proxy.lifecycle.ownership import Ownership, OwnershipError, live_pids, owner_pid
+from proxy.proxier import Proxier
 from proxy.userspace import synfilter
 from proxy.userspace.dataplane import Dataplane
+from tests.support.child import Child
+from tests.support.loops import NODE, NODE_IP, free_port, peer_name, run_on, snap, web
+from tests.support.wiring import sync_config
 
-ROOT = Path(__file__).resolve().parents[2]
 _n = itertools.count()
 
 OLD = """
@@ -73,33 +72,15 @@ def base() -> str:
     return f"kpx-test-ho-{os.getpid()}-{next(_n)}"
 
 
-class Old:
+class Old(Child):
     """The stopping owner, in a child process; ``say`` writes to its stdin."""
 
     def __init__(self, base: str, count: int = 1, window: float = 5.0,
                  ready: float = 5.0) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", OLD, base, str(count), str(window), str(ready)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )
+        super().__init__(OLD, base, str(count), str(window), str(ready))
         words = self.line().split()
         assert words[0] == "ports"
         self.ports = [int(p) for p in words[1:]]
-
-    def line(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline().strip()
-
-    def say(self, text: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=5)
 
 
 @pytest.fixture
@@ -125,7 +106,7 @@ def offering(base: str, pid: int) -> None:
                    for line in Path("/proc/net/unix").read_text().splitlines()[1:]
                    if len(line.split()) >= 8)
 
-    wait_for(bound, 5, what="the handover offered")
+    wait_until(bound, 5, 0.02, what="the handover offered")
 
 
 def queued_client(port: int) -> socket.socket:
@@ -282,11 +263,12 @@ def test_dataplane_adopts_inherited_listeners_and_their_queues(backends) -> None
     inherited_fd = inherited.fileno()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), inherited={
+        dp = Dataplane(loop=asyncio.get_running_loop(), inherited={
             ("0.0.0.0", np_): inherited, ("0.0.0.0", unwanted): other})
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
             assert not dp.synced.is_set()
-            dp.apply(snap(*web(np_, be.port)))
+            px.sync(snap(*web(np_, be.port)))
             await asyncio.wait_for(dp.synced.wait(), 5)
             assert dp.listeners() == [("0.0.0.0", np_, "serving")]
             [(key, sock)] = dp.listening_sockets()
@@ -304,7 +286,7 @@ def test_dataplane_adopts_inherited_listeners_and_their_queues(backends) -> None
                 await asyncio.to_thread(socket.create_connection, (NODE_IP, unwanted), 2)
 
             # eTP=Local, no local endpoint: the adopted socket takes the filter.
-            dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2"), generation=2))
+            px.sync(snap(*web(np_, be.port, etp="Local", ep_node="n2"), generation=2))
             assert dp.listeners() == [("0.0.0.0", np_, "dropping")]
             assert _filter_len(sock) > 0
         finally:
@@ -320,10 +302,11 @@ def test_dataplane_sets_its_own_filter_on_an_inherited_unfiltered_socket(backend
     inherited = _listening(np_, None)
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(),
+        dp = Dataplane(loop=asyncio.get_running_loop(),
                        inherited={("0.0.0.0", np_): inherited})
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
-            dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
+            px.sync(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
             assert dp.listeners() == [("0.0.0.0", np_, "dropping")]
             assert _filter_len(inherited) > 0
         finally:
@@ -342,10 +325,11 @@ def test_an_inherited_socket_for_another_address_is_closed_and_bound_anew(backen
     wrong.listen(4)
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(),
+        dp = Dataplane(loop=asyncio.get_running_loop(),
                        inherited={("0.0.0.0", np_): wrong})
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
-            dp.apply(snap(*web(np_, be.port)))
+            px.sync(snap(*web(np_, be.port)))
             assert dp.listeners() == [("0.0.0.0", np_, "serving")]
             [(_, sock)] = dp.listening_sockets()
             assert sock is not wrong and wrong.fileno() == -1

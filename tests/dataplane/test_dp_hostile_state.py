@@ -5,7 +5,7 @@ The "Robustness" issue's crash: ~100 KB of ``[`` in the state file killed
 nesting limit), closing every NodePort and health port, again on every
 restart. Here ``kpx node`` runs as the lab runs it (``lab/cluster.py``
 ``proxy_argv``: ``--hostname-override``, ``--state``, healthz and metrics
-addresses) in the node namespace of a ``dpkit.Topology``, serves one NodePort
+addresses) in the node namespace of a ``tests.support.netns.Topology``, serves one NodePort
 service with an endpoint in pod1, and then gets deeply nested flow and block
 YAML and an empty file. After each it must be alive, have logged the refusal,
 and still serve the NodePort and ``/healthz`` from the client namespace.
@@ -26,18 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dpkit import (
-    PY,
-    Topology,
-    connect_in,
-    endpoint_slice,
-    node,
-    service,
-    stop_process,
-    topology,
-    wait_for,
-    write_state,
-)
+
+from lab.common import wait_until, write_atomic
+from tests.support.driver import write_state
+from tests.support.netns import PY, Topology, connect_in, stop_process, topology
+from tests.support.objects import endpoint_slice, node, service
 
 pytestmark = pytest.mark.lab
 
@@ -126,7 +119,7 @@ def test_kpx_node_survives_hostile_state_files(
         state,
         node(NODE, T.NODE_IP),
         service("web", NODE_PORT, BACKEND_PORT),
-        endpoint_slice("web", BACKEND_PORT, [(T.POD1_IP, NODE)]),
+        endpoint_slice("web", (T.POD1_IP, NODE), port=BACKEND_PORT),
     )
     argv = [sys.executable, "-m", "proxy", "node", "--hostname-override", NODE,
             "--state", str(state), "--healthz-bind-address", f"0.0.0.0:{HEALTHZ_PORT}",
@@ -147,18 +140,16 @@ def test_kpx_node_survives_hostile_state_files(
             alive()
             return _serves(topo.client)
 
-        wait_for(serving, 20, what="the NodePort and /healthz of the good state")
+        wait_until(serving, 20, 0.02, what="the NodePort and /healthz of the good state")
         for what, content, venv_says, distro_says in HOSTILE:
             refusals = log_path.read_text().count(" refused (")
-            tmp = state.with_name(".state.yaml.tmp")
-            tmp.write_text(content)
-            tmp.rename(state)
+            write_atomic(state, content)
 
             def refused(before: int = refusals) -> bool:
                 alive()
                 return log_path.read_text().count(" refused (") > before
 
-            wait_for(refused, 30, what=f"the {what} state to be refused")
+            wait_until(refused, 30, 0.02, what=f"the {what} state to be refused")
             alive()
             said = log_path.read_text().split(" refused (")[-1]
             expected = (distro_says,) if distro else venv_says

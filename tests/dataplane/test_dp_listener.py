@@ -1,7 +1,7 @@
 """Listeners: reconcile to the plans, REJECT by absence, back-off, capacity.
 
 In-process on loopback, except the EMFILE test, which runs the Dataplane in a
-child process (dp_driver.py) whose fds are exhausted on purpose.
+child process (tests/support/driver_process.py) whose fds are exhausted on purpose.
 """
 
 from __future__ import annotations
@@ -13,54 +13,27 @@ import time
 from pathlib import Path
 
 import pytest
-from dpkit import (
-    Driver,
-    cpu_seconds,
-    endpoint_slice,
-    node,
-    service,
-    ss_listening,
-    state_yaml,
-    wait_for,
-)
-from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
+from lab.common import wait_until
 from proxy.k8s import StateParser
-from proxy.userspace.dataplane import Dataplane, listen_addresses
+from proxy.proxier import Proxier
+from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.listener import Listener
-
-
-def web(node_port: int, port: int, *, ready: bool = True, etp: str = "Cluster",
-        ep_node: str = NODE, node_ips: tuple[str, ...] = (NODE_IP,)):
-    return (
-        node(NODE, *node_ips),
-        service("web", node_port, port, etp=etp),
-        endpoint_slice("web", port, [("127.0.0.1", ep_node)], ready=ready),
-    )
-
-
-def peer_name(port: int, addr: str = NODE_IP, timeout: float = 3.0) -> str:
-    with socket.create_connection((addr, port), timeout=timeout) as s:
-        s.sendall(b"PEER\n")
-        return s.recv(100).decode().split()[0]
-
-
-def test_listen_addresses_follow_nodeport_cidrs() -> None:
-    import ipaddress
-
-    nets = lambda *c: [ipaddress.ip_network(x) for x in c]  # noqa: E731
-    ips = ["10.0.0.5", "192.168.9.9"]
-    # No CIDRs: every local address, as --dst-type LOCAL; one socket per port.
-    assert listen_addresses(ips, None, True) == ["0.0.0.0"]
-    assert listen_addresses((), None, True) == ["0.0.0.0"]
-    assert listen_addresses(ips, [], True) == ["0.0.0.0"]
-    # Without loopback NodePorts a wildcard would say too much: per node IP.
-    assert listen_addresses(ips, None, False) == ["10.0.0.5", "192.168.9.9"]
-    # CIDRs: one socket per node IP (and 127.0.0.1) inside them.
-    assert listen_addresses(ips, nets("10.0.0.0/8"), True) == ["10.0.0.5"]
-    assert listen_addresses(ips, nets("127.0.0.0/8", "192.168.0.0/16"), True) == [
-        "192.168.9.9", "127.0.0.1"]
-    assert listen_addresses(ips, nets("fd00::/8"), True) == []
+from tests.support.driver import Driver
+from tests.support.loops import (
+    NODE,
+    NODE_IP,
+    free_port,
+    peer_name,
+    run_on,
+    snap,
+    syncing,
+    web,
+)
+from tests.support.netns import cpu_seconds
+from tests.support.objects import endpoint_slice, node, service, state_yaml
+from tests.support.probes import ss_listening
+from tests.support.wiring import sync_config
 
 
 def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backends) -> None:
@@ -68,7 +41,9 @@ def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backe
     a, b = free_port(), free_port()
 
     async def scenario() -> None:
-        async with serving(snap(*web(a, be.port))) as dp:
+        async with syncing(snap(*web(a, be.port))) as px:
+            dp = px.dataplane
+            assert isinstance(dp, Dataplane)
             # One wildcard socket serves the node IP and 127.0.0.1 alike.
             assert dp.listeners() == [("0.0.0.0", a, "serving")]
             (line,) = ss_listening(a)
@@ -76,12 +51,12 @@ def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backe
             assert await asyncio.to_thread(peer_name, a) == "b"
             assert await asyncio.to_thread(peer_name, a, "127.0.0.1") == "b"
 
-            dp.apply(snap(*web(b, be.port), generation=2))  # the nodePort moved
+            px.sync(snap(*web(b, be.port), generation=2))  # the nodePort moved
             assert ss_listening(a) == []
             assert len(ss_listening(b)) == 1
             assert await asyncio.to_thread(peer_name, b, "127.0.0.1") == "b"
 
-            dp.apply(snap(node(NODE, NODE_IP), generation=3))  # service deleted
+            px.sync(snap(node(NODE, NODE_IP), generation=3))  # service deleted
             assert dp.listeners() == []
             assert ss_listening(a) == [] and ss_listening(b) == []
             with pytest.raises(ConnectionRefusedError):
@@ -96,14 +71,16 @@ def test_no_usable_endpoint_means_no_listener_and_econnrefused(backends) -> None
     np_ = free_port()
 
     async def scenario() -> None:
-        async with serving(snap(*web(np_, be.port, ready=False))) as dp:  # unready, not serving
+        async with syncing(snap(*web(np_, be.port, ready=False))) as px:  # unready, not serving
+            dp = px.dataplane
+            assert isinstance(dp, Dataplane)
             assert dp.listeners() == []
             assert ss_listening(np_) == []
             t0 = time.monotonic()
             with pytest.raises(ConnectionRefusedError):
                 await asyncio.to_thread(peer_name, np_)
             assert time.monotonic() - t0 < 0.5, "REJECT is immediate, not a timeout"
-            dp.apply(snap(*web(np_, be.port), generation=2))
+            px.sync(snap(*web(np_, be.port), generation=2))
             assert await asyncio.to_thread(peer_name, np_) == "b"
 
     run_on("uvloop", scenario)
@@ -121,9 +98,10 @@ def test_nodeport_addresses_restrict_listeners(backends) -> None:
             (["10.0.0.0/8"], []),
             (["127.0.0.0/8"], [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "serving")]),
         ]:
-            dp = Dataplane(NODE, loop=loop, nodeport_cidrs=cidrs)
+            dp = Dataplane(loop=loop)
+            px = Proxier(sync_config(NODE, cidrs), dataplane=dp)
             try:
-                dp.apply(snap(*web(np_, be.port)))
+                px.sync(snap(*web(np_, be.port)))
                 assert dp.listeners() == expected, cidrs
                 assert len(ss_listening(np_)) == len(expected), cidrs
             finally:
@@ -140,17 +118,18 @@ def test_unassigned_node_ip_is_logged_once_and_retried(backends, caplog) -> None
 
     async def scenario() -> None:
         # The wildcard listener does not care which node IPs are assigned.
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), retry_interval=0.05)
+        dp = Dataplane(loop=asyncio.get_running_loop(), retry_interval=0.05)
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
-            dp.apply(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
+            px.sync(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
             assert dp.listeners() == [("0.0.0.0", np_, "serving")]
         finally:
             dp.close()
         # Per-address listeners (--nodeport-addresses) bind each node IP.
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), retry_interval=0.05,
-                       nodeport_cidrs=["127.0.0.0/8", "192.0.2.0/24"])
+        dp = Dataplane(loop=asyncio.get_running_loop(), retry_interval=0.05)
+        px = Proxier(sync_config(NODE, ["127.0.0.0/8", "192.0.2.0/24"]), dataplane=dp)
         try:
-            dp.apply(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
+            px.sync(snap(*web(np_, be.port, node_ips=(NODE_IP, absent))))
             await asyncio.sleep(0.3)  # several retries
             assert dp.listeners() == [
                 ("127.0.0.1", np_, "serving"),
@@ -173,16 +152,17 @@ def test_drop_state_on_the_wildcard_listener(backends) -> None:
     np_ = free_port()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+        dp = Dataplane(loop=asyncio.get_running_loop())
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
             # eTP=Local, the only endpoint on another node: DROP external.
-            dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
+            px.sync(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
             assert dp.listeners() == [("0.0.0.0", np_, "dropping")]
             # The node's own address and loopback sources pass the filter on
             # the same socket and get Cluster semantics.
             assert await asyncio.to_thread(peer_name, np_, NODE_IP) == "b"
             assert await asyncio.to_thread(peer_name, np_, "127.0.0.1") == "b"
-            dp.apply(snap(*web(np_, be.port, etp="Local"), generation=2))
+            px.sync(snap(*web(np_, be.port, etp="Local"), generation=2))
             assert dp.listeners() == [("0.0.0.0", np_, "serving")]
         finally:
             dp.close()
@@ -195,13 +175,14 @@ def test_drop_state_on_node_ips_never_on_localhost_with_cidrs(backends) -> None:
     np_ = free_port()
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), nodeport_cidrs=["127.0.0.0/8"])
+        dp = Dataplane(loop=asyncio.get_running_loop())
+        px = Proxier(sync_config(NODE, ["127.0.0.0/8"]), dataplane=dp)
         try:
-            dp.apply(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
+            px.sync(snap(*web(np_, be.port, etp="Local", ep_node="n2")))
             assert dp.listeners() == [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "dropping")]
             assert await asyncio.to_thread(peer_name, np_, NODE_IP) == "b"
             assert await asyncio.to_thread(peer_name, np_, "127.0.0.1") == "b"
-            dp.apply(snap(*web(np_, be.port, etp="Local"), generation=2))
+            px.sync(snap(*web(np_, be.port, etp="Local"), generation=2))
             assert dp.listeners() == [("127.0.0.1", np_, "serving"), (NODE_IP, np_, "serving")]
         finally:
             dp.close()
@@ -228,9 +209,10 @@ def test_capacity_limit_queues_clients_instead_of_refusing(loop_kind: str, backe
             return s.recv(100).decode().split()[0], time.monotonic() - t0
 
     async def scenario() -> None:
-        dp = Dataplane(NODE, loop=asyncio.get_running_loop(), max_connections=2)
+        dp = Dataplane(loop=asyncio.get_running_loop(), max_connections=2)
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
-            dp.apply(snap(*web(np_, be.port)))
+            px.sync(snap(*web(np_, be.port)))
             drips = [asyncio.ensure_future(asyncio.to_thread(drip)) for _ in range(2)]
             for _ in range(100):
                 if dp.active_connections() == 2:
@@ -302,7 +284,7 @@ def test_emfile_backs_off_without_spinning_then_recovers(tmp_path: Path, backend
     clients: list[socket.socket] = []
     try:
         drv.start(*web(np_, be.port))
-        st = wait_for(lambda: drv.status().get("hogged"), what="fds hogged")
+        st = wait_until(lambda: drv.status().get("hogged"), 5.0, 0.02, what="fds hogged")
         assert st > 0
         # The kernel completes these handshakes; the dataplane cannot accept.
         for _ in range(3):
@@ -389,14 +371,16 @@ def test_a_sync_keeps_the_port_state_of_every_unchanged_plan() -> None:
     def state(b_endpoint: str, generation: int):  # type: ignore[no-untyped-def]
         return parser.parse(state_yaml(
             node(NODE, NODE_IP),
-            service("a", a_port, 9), endpoint_slice("a", 9, [("127.0.0.1", NODE)]),
-            service("b", b_port, 9), endpoint_slice("b", 9, [(b_endpoint, NODE)]),
+            service("a", a_port, 9), endpoint_slice("a", ("127.0.0.1", NODE), port=9),
+            service("b", b_port, 9), endpoint_slice("b", (b_endpoint, NODE), port=9),
         ), generation)
 
     async def scenario() -> None:
-        async with serving(state("127.0.0.1", 1)) as dp:
+        async with syncing(state("127.0.0.1", 1)) as px:
+            dp = px.dataplane
+            assert isinstance(dp, Dataplane)
             before = dict(dp.forwarder.ports)
-            dp.apply(state("127.0.0.3", 2))
+            px.sync(state("127.0.0.3", 2))
             after = dp.forwarder.ports
             assert after[a_port] is before[a_port]
             assert after[b_port] is not before[b_port]

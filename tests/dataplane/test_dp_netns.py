@@ -1,7 +1,7 @@
 """The dataplane in real network namespaces: DROP, REJECT, client IP, routing.
 
-Topology (dpkit.Topology): client -- node -- {pod1, pod2}. The Dataplane runs
-in the node namespace (dp_driver.py, ``--transparent``), so the transparent
+Topology (tests.support.netns.Topology): client -- node -- {pod1, pod2}. The
+Dataplane runs in the node namespace (tests.support.driver, ``--transparent``), so the transparent
 return path is installed there and only there. pod1 is this node's endpoint
 (``nodeName: n1``); pod2 plays an endpoint on another node (``n2``), so
 reaching it must SNAT. Every namespace is removed at module teardown.
@@ -16,20 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dpkit import (
-    Driver,
-    Topology,
-    connect_in,
-    endpoint_slice,
-    node,
-    service,
-    sh,
-    ss_drops,
-    ss_listening,
-    syn_probe,
-    topology,
-    wait_for,
-)
+
+from lab.common import wait_until
+from tests.support.driver import Driver
+from tests.support.netns import Topology, connect_in, sh, topology
+from tests.support.objects import endpoint_slice, node, service
+from tests.support.probes import ss_drops, ss_listening, syn_probe
 
 pytestmark = pytest.mark.lab
 
@@ -61,14 +53,11 @@ def driver(topo: Topology, tmp_path: Path) -> Iterator[Driver]:
         drv.stop()
 
 
-def local_svc(name: str, node_port: int, etp: str = "Cluster") -> list[dict]:
+def svc(name: str, node_port: int, etp: str = "Cluster", *, remote: bool = False) -> list[dict]:
+    """Service ``name`` with one endpoint: pod1 on this node, or (``remote``) pod2 on n2."""
+    pod = (T.POD2_IP, "n2") if remote else (T.POD1_IP, NODE)
     return [service(name, node_port, BACKEND_PORT, etp=etp),
-            endpoint_slice(name, BACKEND_PORT, [(T.POD1_IP, NODE)])]
-
-
-def remote_svc(name: str, node_port: int, etp: str = "Cluster") -> list[dict]:
-    return [service(name, node_port, BACKEND_PORT, etp=etp),
-            endpoint_slice(name, BACKEND_PORT, [(T.POD2_IP, "n2")])]
+            endpoint_slice(name, pod, port=BACKEND_PORT)]
 
 
 def peer(ns: str, addr: tuple[str, int], timeout: float = 3.0) -> tuple[str, str]:
@@ -92,9 +81,9 @@ def test_drop_reject_serve_on_the_wire(topo: Topology, driver: Driver) -> None:
     drop, reject, serve = 30080, 30081, 30082
     driver.start(
         node(NODE, T.NODE_IP),
-        *remote_svc("drop", drop, etp="Local"),  # eTP=Local, nothing here: DROP
+        *svc("drop", drop, etp="Local", remote=True),  # eTP=Local, nothing here: DROP
         service("none", reject, BACKEND_PORT),  # no endpoints at all: REJECT
-        *local_svc("serve", serve, etp="Local"),
+        *svc("serve", serve, etp="Local"),
     )
     # One wildcard socket per NodePort; the dropping one carries the filter.
     assert set(driver.listeners()) == {("0.0.0.0", drop, "dropping"), ("0.0.0.0", serve, "serving")}
@@ -118,7 +107,7 @@ def test_drop_reject_serve_on_the_wire(topo: Topology, driver: Driver) -> None:
     assert peer(topo.client, (T.NODE_IP, serve)) == ("pod1", T.CLIENT_IP)
 
     # A local endpoint appears: the filter comes off, no listener restart.
-    driver.update(node(NODE, T.NODE_IP), *local_svc("drop", drop, etp="Local"))
+    driver.update(node(NODE, T.NODE_IP), *svc("drop", drop, etp="Local"))
     assert ("0.0.0.0", drop, "serving") in driver.listeners()
     assert peer(topo.client, (T.NODE_IP, drop)) == ("pod1", T.CLIENT_IP)
     assert ss_listening(serve, topo.node) == []  # "serve" left the state
@@ -127,7 +116,7 @@ def test_drop_reject_serve_on_the_wire(topo: Topology, driver: Driver) -> None:
 def test_client_ip_kept_for_local_endpoints_snat_for_remote(topo: Topology,
                                                             driver: Driver) -> None:
     local, remote = 30090, 30091
-    driver.start(node(NODE, T.NODE_IP), *local_svc("a", local), *remote_svc("b", remote))
+    driver.start(node(NODE, T.NODE_IP), *svc("a", local), *svc("b", remote, remote=True))
     assert driver.status()["transparent"] is True
     assert routing_state(topo.node) == {"nft": True, "rule": True, "route": True}
     assert peer(topo.client, (T.NODE_IP, local)) == ("pod1", T.CLIENT_IP)
@@ -141,7 +130,7 @@ def test_client_ip_kept_for_local_endpoints_snat_for_remote(topo: Topology,
 
 def test_leftover_routing_is_replaced_then_removed(topo: Topology, tmp_path: Path) -> None:
     np_ = 30095
-    state = (node(NODE, T.NODE_IP), *local_svc("a", np_))
+    state = (node(NODE, T.NODE_IP), *svc("a", np_))
     first = Driver(tmp_path / "1", NODE, "--transparent", netns=topo.node)
     (tmp_path / "1").mkdir()
     try:
@@ -171,7 +160,7 @@ def test_no_nft_means_one_warning_and_snat(topo: Topology, tmp_path: Path) -> No
     np_ = 30096
     drv = Driver(tmp_path, NODE, "--transparent", netns=topo.node, env={"PATH": str(bindir)})
     try:
-        drv.start(node(NODE, T.NODE_IP), *local_svc("a", np_))
+        drv.start(node(NODE, T.NODE_IP), *svc("a", np_))
         assert drv.status()["transparent"] is False
         assert peer(topo.client, (T.NODE_IP, np_)) == ("pod1", "10.77.2.1")
     finally:
@@ -188,13 +177,13 @@ def test_unassigned_node_ip_is_retried_until_it_appears(topo: Topology, tmp_path
     drv = Driver(tmp_path, NODE, "--transparent", "--nodeport-cidrs", "10.77.1.0/24",
                  netns=topo.node)
     try:
-        drv.start(node(NODE, T.NODE_IP, late), *local_svc("a", np_))
+        drv.start(node(NODE, T.NODE_IP, late), *svc("a", np_))
         assert (late, np_, "error: Cannot assign requested address") in drv.listeners()
         assert (T.NODE_IP, np_, "serving") in drv.listeners()
         sh("ip", "-n", topo.node, "addr", "add", f"{late}/24", "dev", "c0")
         try:
-            wait_for(lambda: (late, np_, "serving") in drv.listeners(), 3,
-                     what="the late address to be served")
+            wait_until(lambda: (late, np_, "serving") in drv.listeners(), 3, 0.02,
+                       what="the late address to be served")
             assert peer(topo.client, (late, np_)) == ("pod1", T.CLIENT_IP)
         finally:
             sh("ip", "-n", topo.node, "addr", "del", f"{late}/24", "dev", "c0", check=False)
@@ -207,7 +196,7 @@ def test_wildcard_listener_serves_an_address_added_later(topo: Topology,
     """Without --nodeport-addresses every local address serves, even a new one."""
     np_ = 30104
     late = "10.77.1.51"
-    driver.start(node(NODE, T.NODE_IP), *local_svc("a", np_))
+    driver.start(node(NODE, T.NODE_IP), *svc("a", np_))
     assert driver.listeners() == [("0.0.0.0", np_, "serving")]
     sh("ip", "-n", topo.node, "addr", "add", f"{late}/24", "dev", "c0")
     try:
@@ -223,7 +212,7 @@ def test_connect_timeout_tries_the_next_endpoint(topo: Topology, driver: Driver)
     driver.start(
         node(NODE, T.NODE_IP),
         service("a", np_, BACKEND_PORT),
-        endpoint_slice("a", BACKEND_PORT, [(T.POD1_IP, NODE), (blackhole, NODE)]),
+        endpoint_slice("a", (T.POD1_IP, NODE), (blackhole, NODE), port=BACKEND_PORT),
     )
     for _ in range(3):  # round-robin reaches the black hole at least once
         assert peer(topo.client, (T.NODE_IP, np_), timeout=4) == ("pod1", T.CLIENT_IP)
@@ -238,7 +227,7 @@ def test_killed_backend_resets_the_client(topo: Topology, driver: Driver) -> Non
     driver.start(
         node(NODE, T.NODE_IP),
         service("v", np_, 8081),
-        endpoint_slice("v", 8081, [(T.POD1_IP, NODE)]),
+        endpoint_slice("v", (T.POD1_IP, NODE), port=8081),
     )
     with connect_in(topo.client, (T.NODE_IP, np_), timeout=3) as s:
         s.sendall(b"ECHO\nhello")
@@ -265,13 +254,13 @@ def test_killed_backend_resets_the_client(topo: Topology, driver: Driver) -> Non
 
 def test_sigterm_drains_then_exits_cleanly(topo: Topology, driver: Driver) -> None:
     np_ = 30100
-    driver.start(node(NODE, T.NODE_IP), *local_svc("a", np_))
+    driver.start(node(NODE, T.NODE_IP), *svc("a", np_))
     with connect_in(topo.client, (T.NODE_IP, np_), timeout=5) as s:
         s.sendall(b"DRIP 10\n")
         assert s.recv(100).startswith(b"drip 0")
         assert driver.proc is not None
         driver.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: ss_listening(np_, topo.node) == [], 3, what="listeners closed")
+        wait_until(lambda: ss_listening(np_, topo.node) == [], 3, 0.02, what="listeners closed")
         with pytest.raises(ConnectionRefusedError):
             connect_in(topo.client, (T.NODE_IP, np_))
         rest = b""
@@ -287,20 +276,21 @@ def test_backend_sees_no_node_ip_leak_for_many_connections(topo: Topology,
                                                            driver: Driver) -> None:
     """IP_BIND_ADDRESS_NO_PORT: many transparent connections from one client IP."""
     np_ = 30101
-    driver.start(node(NODE, T.NODE_IP), *local_svc("a", np_))
+    driver.start(node(NODE, T.NODE_IP), *svc("a", np_))
     seen = set()
     for _ in range(50):
         with connect_in(topo.client, (T.NODE_IP, np_)) as s:
             s.sendall(b"PEER\n")
             seen.add(s.recv(200).decode().split()[1].rsplit(":", 1)[0])
     assert seen == {T.CLIENT_IP}
-    assert wait_for(lambda: driver.status().get("active") == 0, 3, what="relays to finish")
+    assert wait_until(lambda: driver.status().get("active") == 0, 3, 0.02,
+                      what="relays to finish")
 
 
 def test_socket_filter_is_per_listener(topo: Topology, driver: Driver) -> None:
     """A dropping NodePort must not affect a serving one on the same address."""
     a, b = 30102, 30103
-    driver.start(node(NODE, T.NODE_IP), *remote_svc("a", a, etp="Local"), *local_svc("b", b))
+    driver.start(node(NODE, T.NODE_IP), *svc("a", a, etp="Local", remote=True), *svc("b", b))
     with pytest.raises(TimeoutError):
         connect_in(topo.client, (T.NODE_IP, a), timeout=1.0)
     assert peer(topo.client, (T.NODE_IP, b)) == ("pod1", T.CLIENT_IP)

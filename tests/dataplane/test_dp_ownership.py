@@ -12,18 +12,15 @@ import asyncio
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from proxy.lifecycle.ownership import Ownership, OwnershipError, live_pids, owner_pid, routing_lock
+from tests.support.child import Child
 
-ROOT = Path(__file__).resolve().parents[2]
 _n = itertools.count()
 
 HOLDER = """
@@ -48,29 +45,14 @@ def base() -> str:
     return f"kpx-test-{os.getpid()}-{next(_n)}"
 
 
-class Holder:
+class Holder(Child):
     def __init__(self, base: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, base], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env,
-        )
-        assert self._line() == "ready"
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        return self.proc.stdout.readline().strip()
+        super().__init__(HOLDER, base)
+        assert self.line() == "ready"
 
     def do(self, cmd: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        assert self._line() == "done"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=5)
+        self.say(cmd)
+        assert self.line() == "done"
 
 
 @pytest.fixture

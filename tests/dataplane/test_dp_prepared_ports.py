@@ -1,7 +1,7 @@
 """The forwarder's port table is built by ``prepare`` (the source's thread), not on the loop.
 
-Why (issue "Robustness", point 5): 10,000 new PortStates took 10 ms on the
-loop at each big publish. ``apply`` uses the prepared table only if it was
+Why (issue "Robustness", point 5): 10,000 new PortStates held the loop at
+each big publish. ``apply`` uses the prepared table only if it was
 made from the table still in force; either way the result is the same:
 unchanged plans keep their PortState, a service port keeps its balancer and
 counters, and balancers of gone service ports are dropped.
@@ -12,33 +12,38 @@ from __future__ import annotations
 
 import asyncio
 
-from dploop import run_on
-
 from bench import k8s_state
-from proxy.core.decision import build_plans
 from proxy.core.model import Snapshot
-from proxy.k8s import parse_state
+from proxy.k8s import StateParser, parse_state
+from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
+from tests.support.loops import run_on
+from tests.support.wiring import sync_config
 
 NODE = "n1"
 
 
-def state(n: int, endpoint: str, generation: int) -> Snapshot:
+def state(n: int, endpoint: str, generation: int, parser: StateParser | None = None) -> Snapshot:
+    """``n`` services with one endpoint each; through ``parser``, it says what changed."""
     eps = (k8s_state.Ep(endpoint, NODE),)
     text = k8s_state.render([(NODE, "127.0.0.2")],
                             k8s_state.many_services(n, 20000, eps, 8080))
-    return parse_state(text, generation)
+    return parse_state(text, generation) if parser is None else parser.parse(text, generation)
 
 
-def swap(dp: Dataplane, snapshot: Snapshot, prepared: bool) -> None:
+def swap(px: Proxier, snapshot: Snapshot, prepared: bool) -> None:
     """What ``apply`` does to the table, with or without ``prepare`` first."""
+    dp = px.dataplane
+    assert isinstance(dp, Dataplane)
     if prepared:
-        dp.prepare(snapshot)
-        prepared = dp._prepared.take(snapshot)
-        assert prepared is not None
-        plans, _, table = prepared
+        px.prepare(snapshot)
+        ahead = px._prepared.take(snapshot)
+        assert ahead is not None
+        made = dp._prepared.take(ahead.result)
+        assert made is not None
+        plans, table = ahead.result.plans, made[1]
     else:
-        plans, table = build_plans(snapshot, NODE, cache=dp._plan_cache), None
+        plans, table = px._compute(snapshot).plans, None
     dp._swap_plans(plans, table)
 
 
@@ -46,13 +51,15 @@ async def same_table_either_way() -> None:
     loop = asyncio.get_running_loop()
     tables = []
     for prepared in (True, False):
-        dp = Dataplane(NODE, loop=loop)
+        dp = Dataplane(loop=loop)
+        px = Proxier(sync_config(NODE), dataplane=dp)
         try:
-            swap(dp, state(5, "10.0.0.1", 1), prepared)
+            parser = StateParser()
+            swap(px, state(5, "10.0.0.1", 1, parser), prepared)
             first = dict(dp.forwarder.ports)
             balancers = dict(dp._balancers)
-            second = state(3, "10.0.0.2", 2)
-            swap(dp, second, prepared)  # every plan changed, 2 ports gone
+            second = state(3, "10.0.0.2", 2, parser)
+            swap(px, second, prepared)  # every plan changed, 2 ports gone
             ports = dp.forwarder.ports
             assert sorted(ports) == [20000, 20001, 20002]
             for port, st in ports.items():
@@ -62,7 +69,9 @@ async def same_table_either_way() -> None:
             assert set(dp._balancers) == {st.plan.key for st in ports.values()}
             assert all(dp._balancers[k] is balancers[k] for k in dp._balancers)
             before = dict(ports)
-            swap(dp, second, prepared)  # same plans (PlanCache): same PortStates
+            # The same state again: the parser says nothing changed, so every
+            # plan is kept (PlanCache), and so is every PortState.
+            swap(px, state(3, "10.0.0.2", 3, parser), prepared)
             assert all(dp.forwarder.ports[p] is before[p] for p in before)
             tables.append({p: (st.plan.key, st.plan.port) for p, st in dp.forwarder.ports.items()})
         finally:
@@ -71,14 +80,17 @@ async def same_table_either_way() -> None:
 
 
 async def stale_prepared_table_is_made_again() -> None:
-    dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+    dp = Dataplane(loop=asyncio.get_running_loop())
+    px = Proxier(sync_config(NODE), dataplane=dp)
     try:
         one, two = state(4, "10.0.0.1", 1), state(4, "10.0.0.2", 2)
-        dp.prepare(two)
-        prepared = dp._prepared.take(two)
-        assert prepared is not None
-        plans, _, stale = prepared
-        swap(dp, one, prepared=False)  # the table in force changed since ``prepare``
+        px.prepare(two)
+        ahead = px._prepared.take(two)
+        assert ahead is not None
+        made = dp._prepared.take(ahead.result)
+        assert made is not None
+        plans, stale = ahead.result.plans, made[1]
+        swap(px, one, prepared=False)  # the table in force changed since ``prepare``
         kept = {st.plan.key: st.balancer for st in dp.forwarder.ports.values()}
         dp._swap_plans(plans, stale)
         assert dp.plans() == plans

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
-
-from dpkit import in_netns, prefix
-from dploop import run_on
 
 from bench import k8s_state
+from lab.common import eventually
 from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
+from proxy.proxier import Proxier
 from proxy.userspace.dataplane import RECONCILE_BATCH, Dataplane
+from tests.support.loops import run_on
+from tests.support.netns import in_netns, prefix
+from tests.support.wiring import sync_config
 
 NODE = "n1"
 FIRST = 20000
@@ -38,13 +39,14 @@ def ports(dp: Dataplane) -> set[int]:
 async def slices_then_supersede() -> None:
     n = 6 * RECONCILE_BATCH
     first, second = big(n, 1), big(n // 3, 2)
-    dp = Dataplane(NODE, loop=asyncio.get_running_loop())
+    dp = Dataplane(loop=asyncio.get_running_loop())
+    px = Proxier(sync_config(NODE), dataplane=dp)
     try:
-        dp.prepare(first)  # as the source's worker thread does
-        prepared = dp._prepared.peek(first)
-        assert prepared is not None
-        dp.apply(first)
-        assert all(dp.plans()[p] is plan for p, plan in prepared[0].items())
+        px.prepare(first)  # as the source's worker thread does
+        ahead = px._prepared.peek(first)
+        assert ahead is not None and dp._prepared.peek(ahead.result) is not None
+        px.sync(first)
+        assert all(dp.plans()[p] is plan for p, plan in ahead.result.plans.items())
         # apply returned after one slice; the loop runs something before the rest.
         assert dp.reconciling() and len(ports(dp)) <= RECONCILE_BATCH
         seen: list[int] = []
@@ -52,11 +54,9 @@ async def slices_then_supersede() -> None:
         await asyncio.sleep(0)
         assert seen and seen[0] < n, "the loop waited for the whole reconciliation"
         # A newer sync mid-way supersedes the rest: it ends exactly at its own table.
-        dp.apply(second)
-        deadline = time.monotonic() + 20
-        while dp.reconciling():
-            assert time.monotonic() < deadline, "reconciliation never ended"
-            await asyncio.sleep(0.001)
+        px.sync(second)
+        await eventually(lambda: not dp.reconciling(), 20, 0.001,
+                         what="the reconciliation to end")
         assert ports(dp) == set(range(FIRST, FIRST + n // 3))
     finally:
         dp.close()

@@ -16,24 +16,18 @@ import struct
 import threading
 import time
 
-import dp_backend
 import pytest
-from dpkit import endpoint_slice, node, service
-from dploop import NODE, NODE_IP, free_port, run_on, serving, snap
 
 from proxy import metrics
+from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.forwarder import READ_SIZE
+from tests.support.backends import pattern_stream
+from tests.support.loops import NODE, NODE_IP, free_port, run_on, serving, snap, syncing, web
+from tests.support.objects import service
+from tests.support.wiring import sync_config
 
 MiB = 1024 * 1024
-
-
-def two_way_state(node_port: int, port: int, *ips: str, affinity: int | None = None):
-    return (
-        node(NODE, NODE_IP),
-        service("web", node_port, port, affinity_seconds=affinity),
-        endpoint_slice("web", port, [(ip, NODE) for ip in ips]),
-    )
 
 
 def connect(port: int, addr: str = NODE_IP, timeout: float = 5.0) -> socket.socket:
@@ -69,7 +63,7 @@ def test_halfclose_64mib_upload_sha_intact(loop_kind: str, backends) -> None:
             return read_all(s).decode()
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))) as dp:
             answer = await asyncio.to_thread(client)
             assert answer.split() == [digest, str(64 * MiB)]
             await asyncio.sleep(0.05)
@@ -100,10 +94,10 @@ def test_halfclose_echo_and_download_intact(loop_kind: str, backends) -> None:
             s.sendall(f"SEND {n}\n".encode())
             return hashlib.sha256(read_all(s)).hexdigest()
 
-    expected = hashlib.sha256(b"".join(dp_backend.pattern_stream(n))).hexdigest()
+    expected = hashlib.sha256(b"".join(pattern_stream(n))).hexdigest()
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))) as dp:
             assert await asyncio.to_thread(echo) == payload
             assert await asyncio.to_thread(download) == expected
             await asyncio.sleep(0.05)
@@ -124,7 +118,7 @@ def test_both_directions_congested_at_once_lose_nothing(loop_kind: str, backends
     np_ = free_port()
     n = 24 * MiB
     payload = os.urandom(n)
-    expected = b"".join(dp_backend.pattern_stream(n))
+    expected = b"".join(pattern_stream(n))
 
     def client() -> bytes:
         with socket.socket() as s:
@@ -146,7 +140,7 @@ def test_both_directions_congested_at_once_lose_nothing(loop_kind: str, backends
             return got
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))):
             got = await asyncio.to_thread(client)
             assert got[:n] == expected
             assert got[n:] == f"{n}\n".encode()
@@ -170,7 +164,7 @@ def test_backend_rst_resets_client(loop_kind: str, backends) -> None:
             return f"got {data!r}"
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))):
             assert await asyncio.to_thread(client) == "reset"
 
     run_on(loop_kind, scenario)
@@ -188,7 +182,7 @@ def test_client_rst_resets_backend(loop_kind: str, backends) -> None:
         s.close()
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))):
             await asyncio.to_thread(client)
             for _ in range(100):
                 if be.events:
@@ -209,7 +203,7 @@ def test_upstream_close_is_a_fin_not_a_reset(loop_kind: str, backends) -> None:
             return read_all(s)  # EOF, not ConnectionResetError
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))):
             assert len(await asyncio.to_thread(client)) == 1000
 
     run_on(loop_kind, scenario)
@@ -230,7 +224,7 @@ def test_refused_endpoint_retried_on_another(loop_kind: str, backends, caplog) -
 
     async def scenario() -> None:
         # 127.0.0.5 has nothing on that port: ECONNREFUSED, sorted first.
-        async with serving(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.9"))):
+        async with serving(snap(*web(np_, port, "127.0.0.5", "127.0.0.9"))):
             names = [await asyncio.to_thread(client) for _ in range(4)]
             assert names == ["good"] * 4
 
@@ -259,7 +253,7 @@ def test_every_endpoint_refused_resets_client(loop_kind: str) -> None:
             return "reset"
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, port, "127.0.0.5", "127.0.0.6"))) as dp:
+        async with serving(snap(*web(np_, port, "127.0.0.5", "127.0.0.6"))) as dp:
             assert await asyncio.to_thread(client) == "reset"
             await asyncio.sleep(0.02)
             assert dp.active_connections() == 0
@@ -297,7 +291,7 @@ def test_backpressure_slow_backend_bounds_memory(loop_kind: str, backends) -> No
             stop.wait(5)
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))) as dp:
             t = asyncio.ensure_future(asyncio.to_thread(client))
             worst = 0
             last, still = -1, 0.0
@@ -334,7 +328,7 @@ def test_backpressure_slow_client_bounds_memory_and_loses_nothing(
             return len(read_all(s))
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))) as dp:
             t = asyncio.ensure_future(asyncio.to_thread(client))
             worst = 0
             for _ in range(50):
@@ -366,7 +360,7 @@ def test_drain_waits_for_live_connections_then_resets_the_rest(loop_kind: str, b
                 result.append("reset")
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))) as dp:
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))) as dp:
             t = asyncio.ensure_future(asyncio.to_thread(drip))
             await asyncio.sleep(0.1)
             await dp.stop_accepting()
@@ -377,8 +371,9 @@ def test_drain_waits_for_live_connections_then_resets_the_rest(loop_kind: str, b
             assert (await t).count(b"drip") == 8
 
             # Now one that never ends: reset at the deadline.
-            dp2 = Dataplane(NODE, loop=asyncio.get_running_loop())
-            dp2.apply(snap(*two_way_state(np_, be.port, "127.0.0.1")))
+            dp2 = Dataplane(loop=asyncio.get_running_loop())
+            px2 = Proxier(sync_config(NODE), dataplane=dp2)
+            px2.sync(snap(*web(np_, be.port, "127.0.0.1")))
             result: list[str] = []
             t2 = asyncio.ensure_future(asyncio.to_thread(hold, result))
             for _ in range(100):
@@ -409,16 +404,18 @@ def test_affinity_survives_reload(loop_kind: str, backends) -> None:
             return read_all(s).decode().split()[0]
 
     async def scenario() -> None:
-        state = snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8", affinity=60))
-        async with serving(state) as dp:
+        state = snap(*web(np_, port, "127.0.0.7", "127.0.0.8", affinity=60))
+        async with syncing(state) as px:
+            dp = px.dataplane
+            assert isinstance(dp, Dataplane)
             first = {await asyncio.to_thread(who) for _ in range(4)}
             assert len(first) == 1
             # An unrelated change is a new snapshot; the balancer must persist.
-            objs = two_way_state(np_, port, "127.0.0.7", "127.0.0.8", affinity=60)
-            dp.apply(snap(*objs, service("other", free_port(), 9), generation=2))
+            objs = web(np_, port, "127.0.0.7", "127.0.0.8", affinity=60)
+            px.sync(snap(*objs, service("other", free_port(), 9), generation=2))
             again = {await asyncio.to_thread(who) for _ in range(4)}
             assert again == first
-            dp.apply(snap(*two_way_state(np_, port, "127.0.0.7", "127.0.0.8"), generation=3))
+            px.sync(snap(*web(np_, port, "127.0.0.7", "127.0.0.8"), generation=3))
             spread = {await asyncio.to_thread(who) for _ in range(4)}
             assert spread == {"a", "b"}
 
@@ -439,7 +436,7 @@ def test_metrics_count_bytes_once_at_close(loop_kind: str, backends) -> None:
             assert len(read_all(s)) == 5000
 
     async def scenario() -> None:
-        async with serving(snap(*two_way_state(np_, be.port, "127.0.0.1"))):
+        async with serving(snap(*web(np_, be.port, "127.0.0.1"))):
             await asyncio.to_thread(client)
             await asyncio.sleep(0.05)
             assert metrics.REGISTRY.get_sample_value(

@@ -7,16 +7,16 @@ state file is the whole interface of the sidecar form.
 from __future__ import annotations
 
 import http.client
-import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from hzutil import free_port, refuses
+
+from lab.common import wait_until, write_atomic
+from tests.support.health import free_port, refuses
 
 STATE = """\
 apiVersion: v1
@@ -63,18 +63,12 @@ def probe(port: int) -> tuple[int, bytes] | None:
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+    wait_until(predicate, timeout, 0.02, what)
 
 
 def write_state(path: Path, **fields: object) -> None:
     """Replace the file atomically, as kubectl-driven writers do."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(STATE.format(**fields))
-    os.replace(tmp, path)
+    write_atomic(path, STATE.format(**fields))
 
 
 @pytest.fixture

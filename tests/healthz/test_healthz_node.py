@@ -1,4 +1,4 @@
-"""Node health (/healthz, /livez), the metrics port, the sync gauges and the Sidecar."""
+"""Node health (/healthz, /livez), the metrics port and the Sidecar, fed by the proxier."""
 
 from __future__ import annotations
 
@@ -6,7 +6,14 @@ import json
 import socket
 
 import pytest
-from hzutil import (
+
+from healthz.metrics import MetricsServer
+from healthz.proxy_health import NodeHealthServer, ProxyHealth, rfc3339nano
+from healthz.sidecar import Sidecar, parse_bind_address
+from proxy.core.model import Node
+from proxy.proxier import Proxier
+from proxy.sources.hub import StateHub
+from tests.support.health import (
     NODES,
     FakeClock,
     ep,
@@ -20,24 +27,9 @@ from hzutil import (
     snap,
     split_response,
 )
-
-from healthz.proxy_health import MetricsServer, NodeHealthServer, SyncMetrics, rfc3339nano
-from healthz.sidecar import Sidecar, parse_bind_address
-from proxy.core.model import Node
-from proxy.metrics import REGISTRY
-from proxy.sources.hub import ProxyHealth, StateHub
+from tests.support.wiring import sample, start_sidecar, sync_config
 
 T0 = 1_800_000_000.25  # 2027-01-15T08:00:00.25Z
-
-
-def sample(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-async def start_sidecar(hub: StateHub, node: str = "node-a", **kw) -> Sidecar:
-    sidecar = Sidecar(hub, node, healthz_bind="127.0.0.1:0", metrics_bind="127.0.0.1:0", **kw)
-    await sidecar.start()
-    return sidecar
 
 
 async def node_get(sidecar: Sidecar, path: str, method: str = "GET") -> tuple[bytes, bytes]:
@@ -195,52 +187,6 @@ async def test_metrics_port(hub: StateHub) -> None:
         await sidecar.stop()
 
 
-def test_no_local_endpoints_gauge_counts_dropping_local_service_ports() -> None:
-    metrics = SyncMetrics("node-a", clock=FakeClock(T0))
-    here = lb_service("here", node_port=30001)
-    elsewhere = lb_service("elsewhere", node_port=30002)
-    nowhere = lb_service("nowhere", node_port=30003)
-    cluster = lb_service("cluster", policy="Cluster", node_port=30004)
-    metrics.sync(
-        snap(
-            [here, elsewhere, nowhere, cluster],
-            [
-                eps_slice(here, [ep("10.1.0.1", "node-a")]),
-                eps_slice(elsewhere, [ep("10.1.0.2", "node-b")]),
-                eps_slice(cluster, [ep("10.1.0.3", "node-b")]),
-            ],
-        )
-    )
-    # Only "elsewhere" drops: "nowhere" rejects, "cluster" forwards.
-    assert sample(
-        "kubeproxy_sync_proxy_rules_no_local_endpoints_total", traffic_policy="external"
-    ) == 1
-    assert sample(
-        "kubeproxy_sync_proxy_rules_no_local_endpoints_total", traffic_policy="internal"
-    ) == 0
-
-
-def test_network_programming_latency_observed_once_per_new_trigger() -> None:
-    clock = FakeClock(T0)
-    metrics = SyncMetrics("node-a", clock=clock)
-    svc = lb_service()
-    count = "kubeproxy_network_programming_duration_seconds_count"
-    total = "kubeproxy_network_programming_duration_seconds_sum"
-    n0, s0 = sample(count), sample(total)
-
-    # A trigger from before we started measures our start-up: ignored.
-    metrics.sync(snap([svc], [eps_slice(svc, [], trigger_time=T0 - 100)]))
-    assert sample(count) == n0
-
-    clock.advance(2.0)
-    state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1.5)])
-    metrics.sync(state)
-    assert sample(count) == n0 + 1
-    assert sample(total) == pytest.approx(s0 + 0.5)
-    metrics.sync(state)  # same trigger again: not a new change
-    assert sample(count) == n0 + 1
-
-
 async def test_sidecar_follows_the_hub_and_stop_closes_everything(hub: StateHub) -> None:
     hc_port = free_port()
     sidecar = await start_sidecar(hub, nodeport_addresses=["127.0.0.1"])
@@ -270,11 +216,10 @@ async def test_sidecar_retries_a_busy_healthz_port(hub: StateHub) -> None:
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", port))
     squatter.listen()
-    sidecar = Sidecar(
-        hub, "node-a", healthz_bind=f"127.0.0.1:{port}", metrics_bind="", retry_interval=0.05
+    sidecar = await start_sidecar(
+        hub, healthz_bind=f"127.0.0.1:{port}", metrics_bind="", retry_interval=0.05
     )
     try:
-        await sidecar.start()
         assert sidecar.healthz_address is None and sidecar.metrics_address is None
         hub.publish(snap(nodes=NODES))
         squatter.close()
@@ -298,10 +243,11 @@ def test_parse_bind_address() -> None:
 
 def test_node_health_document_without_a_server() -> None:
     clock = FakeClock(T0)
-    server = NodeHealthServer(ProxyHealth(clock=clock), "node-a")
+    health = ProxyHealth(clock=clock)
+    server = NodeHealthServer(health)
     ok, doc = server.document(with_node=True)
     assert not ok and doc["nodeEligible"] is False  # no snapshot yet: node unknown
-    server.sync(snap())
+    Proxier(sync_config("node-a"), health=health).sync(snap())
     ok, doc = server.document(with_node=True)
     assert ok and list(doc) == ["lastUpdated", "currentTime", "nodeEligible", "healthy", "status"]
     assert MetricsServer().proxy_mode == "userspace"

@@ -13,14 +13,21 @@ import asyncio
 import json
 import threading
 
-from hzutil import ep, eps_slice, free_port, get, http_raw, lb_service, snap, split_response
-
-from healthz.proxy_health import NodeHealthServer
-from healthz.service_health import ServiceHealthServer
+from healthz.proxy_health import NodeHealthServer, ProxyHealth
+from healthz.registry import REGISTRY
 from proxy.core.model import Node
-from proxy.metrics import REGISTRY
-from proxy.sources.hub import ProxyHealth
 from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
+from tests.support.health import (
+    ep,
+    eps_slice,
+    free_port,
+    get,
+    http_raw,
+    lb_service,
+    snap,
+    split_response,
+)
+from tests.support.wiring import HealthChecks
 
 
 def sample(name: str, **labels: str) -> float:
@@ -60,11 +67,11 @@ def test_a_fault_makes_the_proxy_unhealthy_until_cleared() -> None:
 
 async def test_guard_marks_unhealthy_while_repair_fails_and_counts_repairs() -> None:
     health = ProxyHealth(timeout=60.0)
-    node = NodeHealthServer(health, "node-a")
-    node.sync(snap(nodes=[Node("node-a")]))
+    node = NodeHealthServer(health)
+    health.sync_node(Node("node-a").eligible)
     port = free_port()
     svc = lb_service(hc_port=port)
-    hc = ServiceHealthServer("node-a", health, ["127.0.0.1"])
+    hc = HealthChecks("node-a", health, ["127.0.0.1"])
     hc.sync(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
     repaired = sample("kubeproxy_kpx_return_path_repairs_total", part="rule")
     failed = sample("kubeproxy_kpx_return_path_repair_failures_total")

@@ -13,11 +13,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from hzutil import ep, eps_slice, eventually, free_port, get, http_raw, lb_service, snap
 
-from healthz.service_health import ServiceHealthServer, render_body
-from proxy.metrics import REGISTRY
-from proxy.sources.hub import ProxyHealth
+from healthz.proxy_health import ProxyHealth
+from healthz.registry import REGISTRY
+from healthz.service_health import render_body
+from tests.support.health import (
+    ep,
+    eps_slice,
+    eventually,
+    free_port,
+    get,
+    http_raw,
+    lb_service,
+    snap,
+)
+from tests.support.wiring import HealthChecks
 
 BODY = render_body("default", "python-lb", 1, True)
 
@@ -47,9 +57,9 @@ def idle_clients(port: int, n: int, send: bytes = b"") -> Iterator[list[socket.s
 
 async def serving(
     max_connections: int = 100, header_timeout: float = 5.0
-) -> tuple[ServiceHealthServer, int]:
+) -> tuple[HealthChecks, int]:
     port = free_port()
-    hc = ServiceHealthServer(
+    hc = HealthChecks(
         "node-a",
         ProxyHealth(),
         ["127.0.0.1"],

@@ -14,7 +14,11 @@ import socket
 import aiohttp
 import pytest
 import uvloop
-from hzutil import (
+
+from healthz.proxy_health import ProxyHealth
+from healthz.service_health import ServiceHealthServer, go_quote, render_body
+from proxy.core.model import EndpointPort, ServicePort
+from tests.support.health import (
     FakeClock,
     ep,
     eps_slice,
@@ -28,10 +32,7 @@ from hzutil import (
     snap,
     split_response,
 )
-
-from healthz.service_health import ServiceHealthServer, go_quote, render_body, resolve_hosts
-from proxy.core.model import EndpointPort, Node, ServicePort
-from proxy.sources.hub import ProxyHealth
+from tests.support.wiring import HealthChecks
 
 EXAMPLE = (
     b'{\n\t"service": {\n\t\t"namespace": "default",\n\t\t"name": "python-lb"\n\t},'
@@ -98,7 +99,7 @@ def test_go_quote_matches_strconv_quote() -> None:
 @pytest.mark.parametrize("n_local", [0, 1, 3])
 async def test_answer_bytes_for_local_endpoint_counts(n_local: int) -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     hc.sync(local_endpoints_state(port, n_local))
     try:
         # Two ports per pod, a remote pod, a not-ready and a terminating local
@@ -113,7 +114,7 @@ async def test_the_120_byte_example_over_http_1_0() -> None:
     port = free_port()
     svc = lb_service(hc_port=port)
     state = snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a"), ep("10.2.0.1", "node-b")])])
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     hc.sync(state)
     try:
         raw = await fetch(port, b"GET /healthz HTTP/1.0\r\n\r\n")
@@ -133,7 +134,7 @@ async def test_same_service_answers_per_node() -> None:
     try:
         for node, port in ports.items():
             s = lb_service(hc_port=port)
-            servers[node] = ServiceHealthServer(node, ProxyHealth(), ["127.0.0.1"])
+            servers[node] = HealthChecks(node, ProxyHealth(), ["127.0.0.1"])
             servers[node].sync(snap([s], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
         assert await fetch(ports["node-a"]) == expected(1)
         assert await fetch(ports["node-b"]) == expected(0)
@@ -147,7 +148,7 @@ async def test_proxy_unhealthy_answers_503_with_the_count() -> None:
     port = free_port()
     clock = FakeClock()
     health = ProxyHealth(timeout=60.0, clock=clock)
-    hc = ServiceHealthServer("node-a", health, ["127.0.0.1"])
+    hc = HealthChecks("node-a", health, ["127.0.0.1"])
     hc.sync(local_endpoints_state(port, 2))
     try:
         health.queued()
@@ -165,7 +166,7 @@ async def test_terminating_only_is_503_with_zero_while_still_listening() -> None
     port = free_port()
     svc = lb_service(hc_port=port)
     draining = ep("10.1.0.1", "node-a", ready=False, serving=True, terminating=True)
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     hc.sync(snap([svc], [eps_slice(svc, [draining, ep("10.2.0.1", "node-b")])]))
     try:
         assert "default/python-lb" in hc.serving()
@@ -176,7 +177,7 @@ async def test_terminating_only_is_503_with_zero_while_still_listening() -> None
 
 async def test_head_gets_headers_only() -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     hc.sync(local_endpoints_state(port, 1))
     try:
         raw = await http_raw(port, get("/healthz", "HEAD"))
@@ -189,7 +190,7 @@ async def test_head_gets_headers_only() -> None:
 
 async def test_every_path_and_method_gets_the_same_answer() -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     hc.sync(local_endpoints_state(port, 1))
     try:
         async with aiohttp.ClientSession() as session:
@@ -207,7 +208,7 @@ async def test_every_path_and_method_gets_the_same_answer() -> None:
 
 async def test_malformed_http_gets_400_and_the_listener_keeps_serving() -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     hc.sync(local_endpoints_state(port, 1))
     try:
         for junk in (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", b"GET\r\n\r\n"):
@@ -222,7 +223,7 @@ async def test_malformed_http_gets_400_and_the_listener_keeps_serving() -> None:
 
 async def test_counts_follow_snapshots_on_the_same_listener() -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     svc = lb_service(hc_port=port)
     try:
         hc.sync(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
@@ -246,7 +247,7 @@ async def assert_closed(port: int) -> None:
 
 async def test_listener_opens_moves_and_closes_with_the_state() -> None:
     p1, p2 = free_port(), free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     svc = lb_service(hc_port=p1)
     endpoints = [ep("10.1.0.1", "node-a")]
     try:
@@ -282,7 +283,7 @@ async def test_listener_opens_moves_and_closes_with_the_state() -> None:
 
 async def test_closing_also_drops_open_keepalive_connections() -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     svc = lb_service(hc_port=port)
     hc.sync(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -300,7 +301,7 @@ async def test_closing_also_drops_open_keepalive_connections() -> None:
 
 async def test_services_swapping_ports_in_one_snapshot() -> None:
     p1, p2 = free_port(), free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     a, b = lb_service("svc-a", p1), lb_service("svc-b", p2)
     slices = [eps_slice(a, [ep("10.1.0.1", "node-a")])]
     try:
@@ -322,7 +323,7 @@ async def test_port_in_use_is_logged_retried_and_blocks_no_one(
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", taken))
     squatter.listen()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"], retry_interval=3600)
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"], retry_interval=3600)
     a, b = lb_service("svc-a", taken), lb_service("svc-b", free)
     state = snap([a, b], [eps_slice(b, [ep("10.1.0.1", "node-a")])])
     try:
@@ -354,7 +355,7 @@ async def test_port_in_use_is_retried_periodically_without_a_new_snapshot() -> N
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", taken))
     squatter.listen()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"], retry_interval=0.05)
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"], retry_interval=0.05)
     try:
         hc.sync(snap([lb_service(hc_port=taken)]))
         assert hc.failed()
@@ -367,33 +368,35 @@ async def test_port_in_use_is_retried_periodically_without_a_new_snapshot() -> N
 
 
 def test_sync_never_raises_even_without_a_loop(caplog: pytest.LogCaptureFixture) -> None:
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
     with caplog.at_level(logging.ERROR):
         hc.sync(snap([lb_service(hc_port=free_port())]))
     assert hc.serving() == {}
 
 
-def test_resolve_hosts_from_nodeport_addresses() -> None:
-    node = Node("node-a", internal_ips=("192.0.2.1",), external_ips=("198.51.100.1",))
-    state = snap(nodes=[node])
-    assert resolve_hosts(None, state, "node-a") == ("0.0.0.0",)
-    assert resolve_hosts([], state, "node-a") == ("0.0.0.0",)
-    assert resolve_hosts(["0.0.0.0/0"], state, "node-a") == ("0.0.0.0",)
-    assert resolve_hosts(["192.0.2.0/24"], state, "node-a") == ("192.0.2.1",)
-    assert resolve_hosts(
-        [ipaddress.ip_network("192.0.2.0/24"), ipaddress.ip_network("127.0.0.0/8")], state, "node-a"
-    ) == ("192.0.2.1", "127.0.0.1")
-    assert resolve_hosts(["10.0.0.0/8"], state, "node-a") == ()
-    assert resolve_hosts(["127.0.0.1", "127.0.0.1"], state, "node-a") == ("127.0.0.1",)
-    with pytest.raises(ValueError):
-        resolve_hosts(["not-an-ip"], state, "node-a")
-    with pytest.raises(ValueError):
-        ServiceHealthServer("node-a", ProxyHealth(), ["10.0.0.0/33"])
+async def test_services_and_counts_are_plain_data_and_nothing_binds_before_start() -> None:
+    """kube-proxy's two calls: which services on which port, and each one's local count."""
+    port = free_port()
+    server = ServiceHealthServer(ProxyHealth())
+    try:
+        server.sync_services({"default/python-lb": port}, ["127.0.0.1"])
+        server.sync_endpoints({"default/python-lb": 2, "default/unchecked": 5})
+        assert server.serving() == {} and refuses(port), "a successor binds only once started"
+        server.start()
+        assert server.serving() == {"default/python-lb": [("127.0.0.1", port)]}
+        assert await fetch(port) == expected(2)
+        server.sync_endpoints({})  # a count is set in place: same listener, new answer
+        assert await fetch(port) == expected(0)
+        server.sync_services({}, ["127.0.0.1"])
+        await server.wait_settled()
+        assert refuses(port)
+    finally:
+        await server.stop()
 
 
 async def test_cidr_nodeport_addresses_bind_only_matching_addresses() -> None:
     port = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), [ipaddress.ip_network("127.0.0.0/8")])
+    hc = HealthChecks("node-a", ProxyHealth(), [ipaddress.ip_network("127.0.0.0/8")])
     try:
         hc.sync(local_endpoints_state(port, 1))
         assert hc.serving() == {"default/python-lb": [("127.0.0.1", port)]}
@@ -408,7 +411,7 @@ def test_lifecycle_under_uvloop() -> None:
 
     async def scenario() -> None:
         port = free_port()
-        hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"])
+        hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"])
         svc = lb_service(hc_port=port)
         hc.sync(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
         assert await fetch(port) == expected(1)
@@ -421,7 +424,7 @@ def test_lifecycle_under_uvloop() -> None:
 
 async def test_an_impossible_port_fails_only_its_own_service() -> None:
     good = free_port()
-    hc = ServiceHealthServer("node-a", ProxyHealth(), ["127.0.0.1"], retry_interval=3600)
+    hc = HealthChecks("node-a", ProxyHealth(), ["127.0.0.1"], retry_interval=3600)
     try:
         hc.sync(snap([lb_service("bad", 70000), lb_service("good", good)]))
         assert "default/bad" in hc.failed()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lab.cluster import wait_until
+from lab.common import wait_until
 
 pytestmark = pytest.mark.lab
 

@@ -24,7 +24,8 @@ import yaml
 
 from lab import netns
 from lab.cli import proxies_available
-from lab.cluster import LAB_JSON, wait_until
+from lab.cluster import LAB_JSON
+from lab.common import wait_until
 
 pytestmark = pytest.mark.lab
 

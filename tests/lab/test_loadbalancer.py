@@ -22,6 +22,7 @@ import pytest
 from lab import loadbalancer as lbm
 from lab import netns as lab_netns
 from lab.cluster import NoReply
+from lab.common import poll
 from lab.demos import wait_node_ports
 from lab.loadbalancer import Backend, Health, LBConfig, Probe, observe
 
@@ -365,15 +366,28 @@ def lb_lab(lab_factory: Any, spec: dict[str, Any]) -> Any:
     return lab
 
 
+def wait_status(lab: Any, key: str, expected: Any, timeout: float = 5.0) -> dict[str, Any]:
+    """Poll the LB's status until its *key* is *expected*; the last status document read."""
+    last: dict[str, Any] = {}
+
+    def reached() -> bool:
+        last["doc"] = lbm.read_status(lab.run_dir)
+        return last["doc"].get(key) == expected
+
+    poll(reached, timeout)
+    return last["doc"]
+
+
 def wait_serving(lab: Any, expected: list[str], timeout: float = 5.0) -> dict[str, Any]:
     """Poll the LB's status until its rotation is *expected*; return the status document."""
-    deadline = time.monotonic() + timeout
-    doc = lbm.read_status(lab.run_dir)
-    while doc.get("serving") != expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-        doc = lbm.read_status(lab.run_dir)
+    doc = wait_status(lab, "serving", expected, timeout)
     assert doc.get("serving") == expected, doc
     return doc
+
+
+def verdicts(doc: dict[str, Any]) -> dict[str, tuple[bool, str]]:
+    """``{node: (healthy, last check result)}`` from an LB status document."""
+    return {n["name"]: (n["healthy"], n["result"]) for n in doc["nodes"]}
 
 
 def routed(lab: Any, src: str = "client") -> tuple[str, dict[str, Any] | str]:
@@ -400,9 +414,8 @@ def test_http_checks_on_hc_port_send_traffic_only_to_the_node_with_the_pod(
 ) -> None:
     lab = lb_lab(lab_factory, lb_lab_spec(one_pod_spec, HTTP_HC))
     doc = wait_serving(lab, ["node1"])
-    results = {n["name"]: (n["healthy"], n["result"]) for n in doc["nodes"]}
-    assert results == {"node1": (True, "HTTP 200"), "node2": (False, "HTTP 503"),
-                       "node3": (False, "HTTP 503")}
+    assert verdicts(doc) == {"node1": (True, "HTTP 200"), "node2": (False, "HTTP 503"),
+                             "node3": (False, "HTTP 503")}
     assert doc["failOpen"] is False
     outcomes = [routed(lab) for _ in range(6)]
     # Every client request succeeds, and all of them went to node1.
@@ -430,9 +443,7 @@ def test_tcp_checks_on_hc_port_pass_every_node_and_podless_nodes_time_out(
     """The seed misconfiguration: the hc port is always open, so the 503 is never read."""
     lab = lb_lab(lab_factory, lb_lab_spec(one_pod_spec, TCP_HC))
     doc = wait_serving(lab, ["node1", "node2", "node3"])
-    assert {n["name"]: (n["healthy"], n["result"]) for n in doc["nodes"]} == {
-        f"node{i}": (True, "connected") for i in (1, 2, 3)
-    }
+    assert verdicts(doc) == {f"node{i}": (True, "connected") for i in (1, 2, 3)}
     outcomes = [routed(lab) for _ in range(6)]
     chosen = [node for node, _ in outcomes]
     # Round-robin over the three passing nodes: each gets every third connection.
@@ -451,9 +462,8 @@ def test_nodeport_checks_fail_podless_nodes_by_timeout_but_localhost_works(
 ) -> None:
     lab = lb_lab(lab_factory, lb_lab_spec(one_pod_spec, TCP_NODEPORT))
     doc = wait_serving(lab, ["node1"])
-    results = {n["name"]: (n["healthy"], n["result"]) for n in doc["nodes"]}
-    assert results == {"node1": (True, "connected"), "node2": (False, "timeout"),
-                       "node3": (False, "timeout")}
+    assert verdicts(doc) == {"node1": (True, "connected"), "node2": (False, "timeout"),
+                             "node3": (False, "timeout")}
     # The LB's counters count client connections only: its TCP checks go to
     # exactly nodeIP:nodePort, yet several probe rounds move no counter.
     p = FAST_PROBE
@@ -510,11 +520,7 @@ def test_lb_follows_a_moved_pod_and_a_changed_node_port(
     svc = lab.service("default/web")
     svc["spec"]["ports"][0]["nodePort"] = 30999
     lab.update_service(svc)  # on_apply: new config, SIGHUP, same daemon
-    deadline = time.monotonic() + 10
-    doc = lbm.read_status(lab.run_dir)
-    while doc.get("nodePort") != 30999 and time.monotonic() < deadline:
-        time.sleep(0.05)
-        doc = lbm.read_status(lab.run_dir)
+    doc = wait_status(lab, "nodePort", 30999, timeout=10)
     # The probe (HTTP on the hc port) did not change, so the verdicts carried over:
     # the reloaded LB's very first status already serves node2 alone, never failing open.
     assert (doc["pid"], doc["nodePort"], doc["serving"], doc["failOpen"]) == (

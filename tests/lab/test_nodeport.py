@@ -28,26 +28,26 @@ from typing import Any
 
 import pytest
 import yaml
-from nodeport_helpers import (
+
+from lab import Lab, netns
+from lab.common import wait_until, write_atomic
+from lab.statefile import render
+from tests.support.labkit import (
     CLIENT_IP,
     POD_PORT,
     connect_outcome,
     generations,
     lab_spec,
-    listeners_on,
     logs,
     peer_ip,
     poll_change,
     service,
-    syn_probe,
     timed_connects,
     wait_applied,
     wait_log,
     who,
 )
-
-from lab import Lab, netns
-from lab.statefile import render, write_atomic
+from tests.support.probes import ss_listening, syn_answers
 
 LabFactory = Callable[..., Lab]
 SpecFactory = Callable[..., dict[str, Any]]
@@ -111,7 +111,7 @@ def test_local_policy_preserves_client_ip_and_podless_nodes_drop(
     assert peer_ip(reply) == CLIENT_IP
 
     targets = {n: (lab.node_ip(n), port) for n in lab.nodes}
-    tcp, icmp = syn_probe(lab, targets.values(), window=DROP_WINDOW)
+    tcp, icmp = syn_answers(lab.ns("client"), targets.values(), window=DROP_WINDOW)
     answered = {n: tcp[f"{ip}:{p}"] for n, (ip, p) in targets.items()}
     assert "SA" in answered["node1"], f"no SYN-ACK from node1: {answered}"
     assert answered["node2"] == [] and answered["node3"] == [], \
@@ -148,7 +148,7 @@ def test_service_without_usable_endpoints_is_refused_at_once(lab_factory: LabFac
 
     for node in lab.nodes:
         for port in rejecting:
-            assert listeners_on(lab, node, port) == [], f"{node} listens on {port}"
+            assert ss_listening(port, lab.ns(node)) == [], f"{node} listens on {port}"
             t0 = time.monotonic()
             with lab.socket("client") as s, pytest.raises(ConnectionRefusedError):
                 s.settimeout(3.0)
@@ -157,7 +157,8 @@ def test_service_without_usable_endpoints_is_refused_at_once(lab_factory: LabFac
             assert connect_outcome(lab, node, "127.0.0.1", port, 1.0) == "refused"
 
     targets = [(lab.node_ip(n), p) for n in lab.nodes for p in rejecting]
-    tcp, _ = syn_probe(lab, [*targets, (lab.node_ip("node1"), good)], window=1.0)
+    tcp, _ = syn_answers(lab.ns("client"), [*targets, (lab.node_ip("node1"), good)],
+                         window=1.0)
     assert "SA" in tcp[f"{lab.node_ip('node1')}:{good}"], f"capture saw no SYN-ACK: {tcp}"
     for ip, port in targets:
         assert tcp[f"{ip}:{port}"] == ["RA"], f"{ip}:{port} answered {tcp[f'{ip}:{port}']}"
@@ -366,7 +367,7 @@ def test_state_file_changes_apply_within_a_second_and_delete_leaves_no_listener(
     slow = {k: round(v, 3) for k, v in timings.items() if v >= CHANGE_LIMIT}
     assert not slow, f"changes slower than {CHANGE_LIMIT}s: {slow} (all: {timings})\n{logs(lab)}"
     for node in lab.nodes:
-        assert listeners_on(lab, node, port) == [], f"{node} still listens on {port}"
+        assert ss_listening(port, lab.ns(node)) == [], f"{node} still listens on {port}"
         assert connect_outcome(lab, "client", ip[node], port, 1.0) == "refused", node
         assert connect_outcome(lab, node, "127.0.0.1", port, 1.0) == "refused", node
 
@@ -462,10 +463,8 @@ def test_killed_backend_resets_the_client(
     port = lab.node_port("default/web")
     socks = {via: hold(lab, lab.node_ip(via), port) for via in ("node1", "node2")}
     try:
-        deadline = time.monotonic() + 5
-        while unread_queues(lab, "web-1") < 2:
-            assert time.monotonic() < deadline, "the held bytes never reached the pod"
-            time.sleep(0.02)
+        wait_until(lambda: unread_queues(lab, "web-1") >= 2, 5, 0.02,
+                   what="the held bytes to reach the pod")
         lab.kill_pod("web-1")
         for via, s in socks.items():
             s.settimeout(3.0)

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from nodeport_helpers import connect_outcome
 
 from lab import netns
-from lab.cluster import wait_until
+from lab.common import wait_until
+from tests.support.labkit import connect_outcome
 
 pytestmark = pytest.mark.lab
 

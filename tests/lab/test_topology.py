@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from lab import Lab, LabSpec, LabSpecError, netns, topology
-from lab.cluster import LAB_JSON, teardown_by_name, wait_until
+from lab.cluster import LAB_JSON, teardown_by_name
+from lab.common import wait_until
 from lab.controller import (
     TRIGGER_TIME_ANNOTATION,
     NodeInfo,
@@ -35,20 +36,11 @@ from lab.controller import (
     state_documents,
 )
 from lab.statefile import render, write_atomic
+from tests.support.labkit import service as svc
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-
-
-def svc(name: str = "web", *, type: str = "NodePort", etp: str | None = None,
-        ports: list[dict[str, Any]] | None = None, **spec: Any) -> dict[str, Any]:
-    s: dict[str, Any] = {"type": type, "selector": {"app": name},
-                         "ports": ports or [{"port": 80, "targetPort": 8080}], **spec}
-    if etp:
-        s["externalTrafficPolicy"] = etp
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": "default"}, "spec": s}
 
 
 def pod(name: str, node: str = "node1", ip: str = "10.244.1.11", **kw: Any) -> PodState:

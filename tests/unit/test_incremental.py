@@ -592,6 +592,22 @@ def test_plan_cache_starts_afresh_for_another_node_or_masquerade(docs: list[str]
         assert cache.built == len(first)
 
 
+def test_plan_cache_rebuilds_everything_for_changes_relative_to_another_generation(
+    docs: list[str],
+) -> None:
+    """Changes count only from the generation the cache last built: else it starts afresh."""
+    parser, cache = StateParser(), PlanCache()
+    build_plans(parser.parse(stream(docs), 1), "node-1", cache=cache)
+    edited = docs.index(next(d for d in docs if "svc-7-" in d))
+    docs[edited] = docs[edited].replace("ready: true", "ready: false", 1)
+    skipped = parser.parse(stream(docs), 2)  # never built from
+    docs[edited] = docs[edited].replace("ready: false", "ready: true", 1)
+    third = parser.parse(stream(docs), 3)
+    assert third.changes.since == skipped.generation
+    assert build_plans(third, "node-1", cache=cache) == build_plans(third, "node-1")
+    assert cache.built == cache.built + cache.reused, "all rebuilt, none taken on trust"
+
+
 def test_plan_cache_when_services_change_too(docs: list[str]) -> None:
     """A service added or removed takes the per-service path; the rest is still reused."""
     parser, cache = StateParser(), PlanCache()

@@ -4,7 +4,7 @@ What matters is what a node sees when the API misbehaves: every path of
 list+watch (410 Gone, dropped and ended watches, ERROR events, bookmarks,
 failing requests) must end in the same state a fresh list would give, and a
 state kpx refuses must leave the last good one in force. The fake is in
-``fake_apiserver.py``; these tests only drive it and watch the hub.
+``tests/support/apiserver.py``; these tests only drive it and watch the hub.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from fake_apiserver import FakeAPIServer
 
+from lab.common import eventually as lab_eventually
 from proxy import metrics
+from proxy.core.changes import Changes
 from proxy.core.model import Snapshot
 from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import (
@@ -38,69 +40,18 @@ from proxy.sources.kubeapi import (
     KubeConfigError,
     _Backoff,
 )
+from tests.support.apiserver import FakeAPIServer
+from tests.support.objects import endpoint_slice, node, service
 
 NODE = "node-a"
+NODE_IP = "192.168.0.2"
 FAST: dict[str, Any] = {"min_sync_period": 0.005, "backoff_initial": 0.005, "backoff_max": 0.02}
 
 
-def node(name: str = NODE, ip: str = "192.168.0.2", **labels: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
-        "status": {
-            "addresses": [{"type": "InternalIP", "address": ip}],
-            "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "t0"}],
-        },
-    }
-
-
-def service(
-    name: str, node_port: int, labels: dict[str, str] | None = None, **spec: Any
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": "default",
-            "labels": labels or {},
-            "managedFields": [{"manager": "kubectl", "operation": "Apply"}],
-        },
-        "spec": {
-            "type": "NodePort",
-            "clusterIP": "10.96.0.10",
-            "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": node_port}],
-            **spec,
-        },
-    }
-
-
-def endpoint_slice(
-    service_name: str, *ips: str, suffix: str = "abc", labels: dict[str, str] | None = None
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service_name}-{suffix}",
-            "namespace": "default",
-            "labels": {"kubernetes.io/service-name": service_name, **(labels or {})},
-        },
-        "addressType": "IPv4",
-        "endpoints": [
-            {"addresses": [ip], "conditions": {"ready": True}, "nodeName": NODE} for ip in ips
-        ],
-        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }
-
-
-async def eventually(check: Callable[[], object], timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {getattr(check, '__name__', check)}")
-        await asyncio.sleep(0.005)
+MANAGED = {"managedFields": [{"manager": "kubectl", "operation": "Apply"}]}
+"""Metadata kubectl apply leaves on an object; kpx must not cache it."""
+eventually = partial(lab_eventually, timeout=2.0, interval=0.005)
+"""``await eventually(check)``: ``lab.common.eventually`` with this file's pace."""
 
 
 def addresses(snapshot: Snapshot, key: str) -> list[str]:
@@ -130,8 +81,8 @@ class Running:
 async def api() -> AsyncIterator[FakeAPIServer]:
     server = FakeAPIServer()
     await server.start()
-    server.put(node())
-    server.put(service("web", 30080))
+    server.put(node(NODE, NODE_IP))
+    server.put(service("web", 30080, meta=MANAGED))
     server.put(endpoint_slice("web", "10.0.0.1"))
     yield server
     await server.close()
@@ -163,8 +114,9 @@ async def start(api: FakeAPIServer) -> AsyncIterator[Start]:
 
 
 async def test_initial_list_publishes_the_state(api: FakeAPIServer, start: Start) -> None:
-    api.put(service("headless", 30090, {"service.kubernetes.io/headless": ""}))
-    api.put(service("other-proxy", 30091, {"service.kubernetes.io/service-proxy-name": "x"}))
+    api.put(service("headless", 30090, labels={"service.kubernetes.io/headless": ""}))
+    api.put(service("other-proxy", 30091,
+                    labels={"service.kubernetes.io/service-proxy-name": "x"}))
     api.put(node("node-b", "192.168.0.3"))
     before = metrics.REGISTRY.get_sample_value(
         "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"
@@ -240,13 +192,13 @@ async def test_watch_events_publish_new_states(api: FakeAPIServer, start: Start)
 
 async def test_unrelated_changes_publish_nothing(api: FakeAPIServer, start: Start) -> None:
     """A Node heartbeat or a Service's status changes nothing kpx reads: no new state.
-    A real change keeps every untouched object the very same one, for plan reuse."""
+    A real change is published with exactly the service it concerns as changed."""
     api.put(service("api", 30081))
     api.put(endpoint_slice("api", "10.0.1.1"))
     run = await start()
     first = await run.published(1)
 
-    beat = node()
+    beat = node(NODE, NODE_IP)
     beat["status"]["conditions"][0]["lastHeartbeatTime"] = "t1"
     api.put(beat)
     status = service("web", 30080)
@@ -257,13 +209,29 @@ async def test_unrelated_changes_publish_nothing(api: FakeAPIServer, start: Star
     second = await run.published(2)
     await asyncio.sleep(0.05)
     assert len(run.seen) == 2
-    assert second.nodes[0] is first.nodes[0]
-    assert second.service("default/web") is first.service("default/web")
-    assert second.service("default/api") is first.service("default/api")
-    old_web, new_web = (s.service("default/web") for s in (first, second))
-    assert old_web is not None and new_web is not None
-    assert second.slices_for(new_web)[0] is first.slices_for(old_web)[0]
+    assert first.changes.services is None, "the first state is all new"
+    assert second.changes == Changes(
+        since=first.generation, services=frozenset({"default/api"}), nodes=False
+    )
+    assert second.nodes == first.nodes
+    assert second.service("default/web") == first.service("default/web")
     assert addresses(second, "default/api") == ["10.0.1.1", "10.0.1.2"]
+
+
+async def test_a_refused_state_hands_its_changes_to_the_next_good_one(
+    api: FakeAPIServer, start: Start
+) -> None:
+    """Changes of a state that is never published are not lost: the next one carries them."""
+    run = await start()
+    first = await run.published(1)
+    api.put(endpoint_slice("web", "10.0.0.1", "10.0.0.7"))
+    api.put(service("clash", 30080))  # The nodePort of default/web: refused.
+    await eventually(lambda: run.source._refused is not None)
+    api.delete("Service", "clash", "default")
+    second = await run.published(2)
+    assert second.changes.since == first.generation
+    assert second.changes.services == frozenset({"default/web"})
+    assert addresses(second, "default/web") == ["10.0.0.1", "10.0.0.7"]
 
 
 async def test_managed_fields_are_not_cached(api: FakeAPIServer, start: Start) -> None:
@@ -281,7 +249,7 @@ async def test_bookmark_moves_the_resume_point(api: FakeAPIServer, start: Start)
     run = await start()
     await run.published(1)
     await eventually(lambda: api.watching("Service"))
-    api.put(node(ip="192.168.0.2", zone="a"))  # Moves the global resourceVersion on.
+    api.put(node(NODE, NODE_IP, zone="a"))  # Moves the global resourceVersion on.
     mark = api.bookmark("Service")
     await eventually(lambda: run.source._kinds[1].resource_version == str(mark))
 
@@ -698,7 +666,7 @@ async def test_tls_with_client_certificate_data(
     server_ctx.verify_mode = ssl.CERT_REQUIRED
     api = FakeAPIServer(ssl_context=server_ctx)
     await api.start()
-    api.put(node())
+    api.put(node(NODE, NODE_IP))
     try:
         doc = kubeconfig_doc(
             **{

@@ -10,19 +10,12 @@ import logging
 import pytest
 
 from proxy.util.lograte import OVERFLOW, RateLimitedLog, one_line
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock(1000.0)
 
 
 class Lines:
@@ -41,11 +34,11 @@ def lines(caplog: pytest.LogCaptureFixture) -> Lines:
     return Lines(caplog)
 
 
-def limiter(clock: Clock, **kw: object) -> RateLimitedLog:
+def limiter(clock: FakeClock, **kw: object) -> RateLimitedLog:
     return RateLimitedLog(logging.getLogger("test.lograte"), clock=clock, **kw)  # type: ignore[arg-type]
 
 
-def test_first_in_full_then_counted_then_one_summary(clock: Clock, lines: Lines) -> None:
+def test_first_in_full_then_counted_then_one_summary(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     key = ("connect", "Connection refused", "default/web")
     written = [rl.warning(key, "%s: connect to %s failed", "default/web", f"10.0.0.{i}")
@@ -64,7 +57,7 @@ def test_first_in_full_then_counted_then_one_summary(clock: Clock, lines: Lines)
     assert len(rl) == 0
 
 
-def test_window_ends_lazily_on_the_next_event(clock: Clock, lines: Lines) -> None:
+def test_window_ends_lazily_on_the_next_event(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     for _ in range(3):
         rl.warning("k", "boom")
@@ -73,7 +66,7 @@ def test_window_ends_lazily_on_the_next_event(clock: Clock, lines: Lines) -> Non
     assert lines() == ["boom", "boom … and 1 more like this in the last 10 s", "boom again"]
 
 
-def test_a_single_held_back_event_is_written_as_itself(clock: Clock, lines: Lines) -> None:
+def test_a_single_held_back_event_is_written_as_itself(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     rl.warning("k", "first")
     rl.warning("k", "second")
@@ -82,7 +75,7 @@ def test_a_single_held_back_event_is_written_as_itself(clock: Clock, lines: Line
     assert lines() == ["first", "second"]
 
 
-def test_keys_are_independent_per_cause_and_service(clock: Clock, lines: Lines) -> None:
+def test_keys_are_independent_per_cause_and_service(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     for svc in ("a/x", "b/y"):
         for cause in ("refused", "timed out"):
@@ -94,7 +87,7 @@ def test_keys_are_independent_per_cause_and_service(clock: Clock, lines: Lines) 
     assert all("… and 8 more like this" in m for m in lines()[4:])
 
 
-def test_quiet_window_closes_without_a_summary(clock: Clock, lines: Lines) -> None:
+def test_quiet_window_closes_without_a_summary(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     rl.warning("k", "once")
     clock.now += 10
@@ -103,7 +96,7 @@ def test_quiet_window_closes_without_a_summary(clock: Clock, lines: Lines) -> No
     assert len(rl) == 0
 
 
-def test_forced_flush_says_how_long_it_covered(clock: Clock, lines: Lines) -> None:
+def test_forced_flush_says_how_long_it_covered(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     for _ in range(4):
         rl.warning("k", "x")
@@ -113,7 +106,7 @@ def test_forced_flush_says_how_long_it_covered(clock: Clock, lines: Lines) -> No
 
 
 def test_keys_are_bounded_and_the_rest_share_one_overflow_window(
-    clock: Clock, lines: Lines
+    clock: FakeClock, lines: Lines
 ) -> None:
     rl = limiter(clock, max_keys=4)
     for i in range(1000):
@@ -129,7 +122,7 @@ def test_keys_are_bounded_and_the_rest_share_one_overflow_window(
     assert lines()[-1] == "fresh" and len(rl) == 1
 
 
-def test_the_level_of_the_first_is_kept(clock: Clock, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_level_of_the_first_is_kept(clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="test.lograte")
     rl = limiter(clock)
     rl.log(logging.ERROR, "k", "bad")
@@ -139,7 +132,7 @@ def test_the_level_of_the_first_is_kept(clock: Clock, caplog: pytest.LogCaptureF
     assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]
 
 
-def test_no_line_can_be_forged_from_input(clock: Clock, lines: Lines) -> None:
+def test_no_line_can_be_forged_from_input(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     evil = "x\nCRITICAL forged line\r\x1b[2J\u2028\x85"
     rl.warning("k", "client said %s", evil)
@@ -158,13 +151,13 @@ def test_one_line_leaves_printable_text_alone() -> None:
     assert one_line("tab\there") == "tab\\there"
 
 
-def test_a_bad_format_costs_nothing_but_its_looks(clock: Clock, lines: Lines) -> None:
+def test_a_bad_format_costs_nothing_but_its_looks(clock: FakeClock, lines: Lines) -> None:
     rl = limiter(clock)
     rl.warning("k", "%d items", "not a number")
     assert lines() == ["%d items ('not a number',)"]
 
 
-def test_the_hot_path_of_a_held_back_event_does_not_format(clock: Clock) -> None:
+def test_the_hot_path_of_a_held_back_event_does_not_format(clock: FakeClock) -> None:
     class Exploding:
         def __str__(self) -> str:
             raise AssertionError("formatted a suppressed event")

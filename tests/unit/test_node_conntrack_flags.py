@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import proxy.userspace.dataplane
+import proxy.commands.node
 from proxy.commands import node
 
 
@@ -61,7 +61,7 @@ def test_serve_passes_both_to_the_dataplane(
         seen.update(kwargs)
         raise _Built
 
-    monkeypatch.setattr(proxy.userspace.dataplane, "Dataplane", fake_dataplane)
+    monkeypatch.setattr(proxy.commands.node, "Dataplane", fake_dataplane)
     args = parse("--state", str(tmp_path / "state.yaml"), "--no-healthz",
                  "--conntrack-tcp-timeout-established", "90s",
                  "--conntrack-tcp-timeout-close-wait", "0")

@@ -18,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench import k8s_state
+from lab.common import eventually
 from proxy.core.model import Snapshot
 from proxy.sources import statefile as source_mod
 from proxy.sources.hub import StateHub
@@ -87,15 +87,6 @@ class Ticker:
         self._tick()
 
 
-async def until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``pred`` on the loop until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def stop(src: StateFileSource, task: asyncio.Task[None]) -> None:
     src.stop()
     await asyncio.wait_for(task, 5)
@@ -119,11 +110,11 @@ async def test_fifo_at_the_state_path_never_blocks_the_loop(
     rescue = threading.Timer(3.0, lambda: os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK)))
     with caplog.at_level(logging.ERROR, logger="proxy.sources.statefile"), Ticker() as ticker:
         task = asyncio.create_task(src.run())
-        await until(lambda: rec.services() == [3], 5, "the first state")
+        await eventually(lambda: rec.services() == [3], 5, what="the first state")
         os.rename(fifo, path)
         rescue.start()
         try:
-            await until(lambda: "FIFO" in caplog.text, 5, "the FIFO to be refused")
+            await eventually(lambda: "FIFO" in caplog.text, 5, what="the FIFO to be refused")
             ticks = ticker.ticks
             await asyncio.sleep(1.0)  # polls and events keep coming: still only logged once
             assert ticker.ticks > ticks + 50
@@ -236,10 +227,10 @@ async def test_a_writer_pausing_mid_file_never_gets_half_applied(
     rec = Recorder(hub)
     src = StateFileSource(path, hub, interval=0.05)
     task = asyncio.create_task(src.run())
-    await until(lambda: rec.services() == [8], 5, "the first state")
+    await eventually(lambda: rec.services() == [8], 5, what="the first state")
     writer = slow_writer(path, state(40), pause=1.5)
-    await until(lambda: not writer.is_alive(), 10, "the writer")
-    await until(lambda: len(rec.seen) == 2, 10, "the whole new state")
+    await eventually(lambda: not writer.is_alive(), 10, what="the writer")
+    await eventually(lambda: len(rec.seen) == 2, 10, what="the whole new state")
     await asyncio.sleep(0.3)
     await stop(src, task)
     assert rec.services() == [8, 40]
@@ -252,7 +243,7 @@ async def test_a_writer_that_stays_open_is_read_after_the_settle_bound(tmp_path:
     rec = Recorder(hub)
     src = StateFileSource(path, hub, interval=0.05, settle=0.5)
     task = asyncio.create_task(src.run())
-    await until(lambda: rec.services() == [2], 5, "the first state")
+    await eventually(lambda: rec.services() == [2], 5, what="the first state")
     release = threading.Event()
 
     def hold_open() -> None:
@@ -265,7 +256,7 @@ async def test_a_writer_that_stays_open_is_read_after_the_settle_bound(tmp_path:
     holder.start()
     try:
         t0 = time.monotonic()
-        await until(lambda: rec.services() == [2, 5], 5, "the quiet open file to be read")
+        await eventually(lambda: rec.services() == [2, 5], 5, what="the quiet open file to be read")
         assert time.monotonic() - t0 >= 0.4  # not before the settle bound
     finally:
         release.set()
@@ -283,12 +274,12 @@ async def test_the_loop_keeps_ticking_while_a_big_state_is_parsed(tmp_path: Path
     rec = Recorder(hub)
     src = StateFileSource(path, hub)
     task = asyncio.create_task(src.run())
-    await until(lambda: len(rec.seen) == 1, 5, "the first state")
+    await eventually(lambda: len(rec.seen) == 1, 5, what="the first state")
     big = state(15000, first_port=20000)
     with Ticker() as ticker:
         t0 = time.perf_counter()
         await asyncio.to_thread(k8s_state.write_atomic, path, big)
-        await until(lambda: len(rec.seen) == 2, 60, "the big state")
+        await eventually(lambda: len(rec.seen) == 2, 60, what="the big state")
         took = time.perf_counter() - t0
     await stop(src, task)
     assert len(rec.seen[1].services) == 15000

@@ -1,5 +1,8 @@
 """Run one Dataplane in its own process, as ``kpx node`` would, for the tests.
 
+Started by ``tests.support.driver.Driver`` as ``python -m
+tests.support.driver_process`` from the repository root.
+
 Reads Kubernetes YAML through ``proxy.k8s.parse_state``, re-applies whenever
 the file changes (polled every 50 ms), and writes a JSON status file after
 every apply: generation, listeners, whether transparent mode is active.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -26,8 +30,11 @@ from pathlib import Path
 
 import uvloop
 
+from lab.common import write_atomic
 from proxy.k8s import StateError, parse_state
+from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
+from tests.support.wiring import sync_config
 
 
 def in_test_netns() -> bool:
@@ -41,18 +48,15 @@ def in_test_netns() -> bool:
 
 
 def write_status(path: Path, dp: Dataplane, extra: dict[str, object]) -> None:
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps({
+    # EMFILE while the fds are hogged: the next round writes it.
+    with contextlib.suppress(OSError):
+        write_atomic(path, json.dumps({
             "generation": dp.generation,
             "listeners": dp.listeners(),
             "transparent": dp.transparent_active,
             "active": dp.active_connections(),
             **extra,
         }))
-        tmp.rename(path)
-    except OSError:
-        pass  # EMFILE while the fds are hogged: the next round writes it
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -60,14 +64,13 @@ async def main(args: argparse.Namespace) -> int:
     state = Path(args.state)
     status = Path(args.status)
     dp = Dataplane(
-        args.node,
         loop=loop,
         transparent=args.transparent,
         connect_timeout=args.connect_timeout,
-        nodeport_cidrs=args.nodeport_cidrs or None,
         max_connections=args.max_connections,
         retry_interval=args.retry_interval,
     )
+    proxier = Proxier(sync_config(args.node, args.nodeport_cidrs), dataplane=dp)
     extra: dict[str, object] = {"pid": os.getpid()}
     hog: list[int] = []
 
@@ -111,7 +114,7 @@ async def main(args: argparse.Namespace) -> int:
             last = text
             generation += 1
             try:
-                dp.apply(parse_state(text.decode(), generation))
+                proxier.sync(parse_state(text.decode(), generation))
             except StateError as exc:
                 logging.error("state refused: %s", exc)
         if args.hog_fds and generation == 1 and "hogged" not in extra:

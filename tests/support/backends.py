@@ -2,7 +2,8 @@
 
 Each connection starts with one command line; the backend then behaves as told.
 It runs in a thread (in-process tests on loopback) or as a script inside a pod
-namespace (``python dp_backend.py --port P --name NAME``).
+namespace (``python -m tests.support.backends --port P --name NAME``, from the
+repository root).
 
 Commands:
     PEER          reply "<name> <peer_ip>:<peer_port>" and close

@@ -1,0 +1,203 @@
+"""The proxier: the one sync that turns each snapshot into the dataplane's plans and healthz's data.
+
+Owns: the sync loop's body, as kube-proxy's ``syncProxyRules`` is. For each
+published snapshot it computes, once (``proxy.core.sync.compute_sync``, in the
+source's worker thread when the source offers it), everything the snapshot
+means for this node, then hands it out as plain data:
+
+- the plans and listen addresses to the dataplane (``Dataplane.apply``), when
+  there is one (``kpx healthz`` runs the same sync with none);
+- the healthCheckNodePorts and local ready counts to healthz
+  (``sync_services``, ``sync_endpoints``), and the node's eligibility to
+  ``ProxyHealth`` (``sync_node``), as the proxier feeds ``healthcheck``
+  upstream;
+- kube-proxy's sync metrics: the sync duration and last-sync time, the
+  services whose Local policy drops traffic, and the network programming
+  latency of every new slice change.
+
+Also the ``PlanCache`` that keeps the plans of unchanged services across
+syncs, and the lock that lets its worker-thread half and its loop half share
+that cache.
+
+Never: parse state, open sockets or serve HTTP. Nor let one consumer's
+failure stop the others: each is logged and skipped, and the hub then keeps
+the proxy unhealthy until a sync goes through.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+from healthz.proxy_health import ProxyHealth
+from proxy import metrics
+from proxy.core.decision import PlanCache
+from proxy.core.model import Snapshot
+from proxy.core.sync import SyncConfig, SyncResult, compute_sync
+from proxy.sources.hub import StateHub
+from proxy.util.prepared import Prepared
+
+log = logging.getLogger(__name__)
+
+SLOW_SYNC = 0.1
+"""Seconds above which a sync is logged at info (every one is at debug)."""
+
+
+class Backend(Protocol):
+    """A dataplane the sync programs: the userspace relay today (``proxy.userspace``)."""
+
+    def prepare(self, sync: SyncResult) -> None: ...
+    def apply(self, sync: SyncResult) -> None: ...
+
+
+class ServiceHealth(Protocol):
+    """kube-proxy's ``ServiceHealthServer`` surface (``healthz.service_health``)."""
+
+    def sync_services(self, ports: Mapping[str, int], hosts: Sequence[str]) -> None: ...
+    def sync_endpoints(self, local_ready: Mapping[str, int]) -> None: ...
+
+
+class _Prepared(NamedTuple):
+    """The pure half of one sync, done ahead in a worker thread."""
+
+    result: SyncResult
+    seen: Mapping[tuple[str, str], float]
+    """The trigger times ``new_triggers`` was found against."""
+    new_triggers: list[float]
+
+
+class Proxier:
+    """Runs the one sync of one node: a hub reader, and a preparer for its pure half."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        *,
+        dataplane: Backend | None = None,
+        services: ServiceHealth | None = None,
+        health: ProxyHealth | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.dataplane = dataplane
+        self.services = services
+        self.health = health
+        self._clock = clock
+        self._started = clock()
+        self._cache = PlanCache()
+        self._lock = threading.Lock()
+        """``prepare`` (a worker thread) and ``sync`` (the loop) share the cache."""
+        self._prepared: Prepared[_Prepared] = Prepared()
+        self._triggers: Mapping[tuple[str, str], float] = {}
+        """Trigger times already observed, by slice: each is observed once."""
+        self._warned_no_node = False
+        self.last: SyncResult | None = None
+        """The result of the last sync."""
+
+    # -- wiring ---------------------------------------------------------------
+
+    def attach(self, hub: StateHub) -> None:
+        """Follow ``hub``: its preparer computes, its reader hands out."""
+        hub.add_preparer(self.prepare)
+        hub.subscribe(self.sync)
+
+    def detach(self, hub: StateHub) -> None:
+        hub.unsubscribe(self.sync)
+        hub.remove_preparer(self.prepare)
+
+    # -- the sync ---------------------------------------------------------------
+
+    def _compute(self, snapshot: Snapshot) -> SyncResult:
+        with self._lock:
+            return compute_sync(snapshot, self.config, self._cache)
+
+    def prepare(self, snapshot: Snapshot) -> None:
+        """The pure half, in the caller's (a source's worker) thread, ahead of ``sync``.
+
+        Building the plans of 10,000 NodePorts, counting local endpoints and
+        reading every slice's trigger time would otherwise hold the loop
+        that forwards traffic and answers health checks.
+        """
+        result = self._compute(snapshot)
+        if self.dataplane is not None:
+            self.dataplane.prepare(result)
+        seen = self._triggers
+        self._prepared.put(snapshot, _Prepared(result, seen, self._new_triggers(result, seen)))
+
+    def sync(self, snapshot: Snapshot) -> None:
+        """Put ``snapshot`` in force: dataplane, healthz and metrics, in that order.
+
+        Raises if the dataplane failed, so the hub keeps the update pending
+        (health fails after the timeout, as an update that never applies does
+        upstream); healthz and the metrics are fed either way.
+        """
+        started = time.perf_counter()
+        prepared = self._prepared.take(snapshot)
+        if prepared is not None and prepared.seen is self._triggers:
+            result, new_triggers = prepared.result, prepared.new_triggers
+        else:
+            result = prepared.result if prepared is not None else self._compute(snapshot)
+            new_triggers = self._new_triggers(result, self._triggers)
+        self.last = result
+        self._note_node(result)
+        failure: Exception | None = None
+        if self.dataplane is not None:
+            try:
+                self.dataplane.apply(result)
+            except Exception as exc:  # the others still get this sync
+                failure = exc
+        if self.health is not None:
+            self.health.sync_node(result.node_eligible)
+        if self.services is not None:
+            try:
+                self.services.sync_services(result.health_check_ports, result.health_hosts)
+                self.services.sync_endpoints(result.local_ready)
+            except Exception:
+                log.exception("health checks of generation %d failed", result.generation)
+        self._observe(result, new_triggers, time.perf_counter() - started)
+        if failure is not None:
+            raise failure
+
+    def _note_node(self, result: SyncResult) -> None:
+        if result.node_known:
+            self._warned_no_node = False
+        elif not self._warned_no_node:
+            log.warning(
+                "node %r is not in the state (generation %d): its addresses are unknown, "
+                "so only 127.0.0.0/8 counts as node-originated%s",
+                self.config.node_name, result.generation,
+                "" if not self.config.nodeport_cidrs and self.config.bind_localhost
+                else "; listening on 127.0.0.1 only, where the CIDRs allow it",
+            )
+            self._warned_no_node = True
+
+    def _new_triggers(
+        self, result: SyncResult, seen: Mapping[tuple[str, str], float]
+    ) -> list[float]:
+        """The trigger times to observe: after start-up, and not seen before.
+
+        As kube-proxy's tracker does, a trigger from before this process
+        started is not observed: it would measure our start-up, not the network.
+        """
+        started = self._started
+        return [
+            trigger for key, trigger in result.trigger_times.items()
+            if trigger > started and seen.get(key) != trigger
+        ]
+
+    def _observe(self, result: SyncResult, new_triggers: list[float], elapsed: float) -> None:
+        """kube-proxy's sync metrics for this sync."""
+        metrics.SYNC_DURATION.observe(elapsed)
+        metrics.SYNC_LAST_TIMESTAMP.set(self._clock())
+        log.log(logging.INFO if elapsed >= SLOW_SYNC else logging.DEBUG,
+                "generation %d applied in %.0f ms", result.generation, elapsed * 1000)
+        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(result.dropping)
+        # kpx serves no ClusterIPs, so internal policy never drops.
+        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(0)
+        now = self._clock()
+        for trigger in new_triggers:
+            metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - trigger))
+        self._triggers = result.trigger_times

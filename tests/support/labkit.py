@@ -1,0 +1,189 @@
+"""Helpers for the lab tests (tests/lab): lab-file builders, proxy state, traffic probes.
+
+Owns: ``service``/``lab_spec`` (lab-file dicts; ``service`` is
+``tests.support.objects.service`` without the clusterIP and nodePort the lab
+allocates), the two kinds of waiting the NodePort tests need: "every proxy
+has applied the state file" (its log shows a newer generation,
+``wait_applied``/``wait_log``) and "behaviour changed" (``poll_change``:
+poll a probe, report how long after the state file was written the change
+was first seen), and plain connects classified as ok/refused/timeout
+(``connect_outcome``, ``timed_connects``, ``who``). Raw SYNs and ``ss``
+listings are ``tests.support.probes`` (pass ``lab.ns(name)``).
+
+Never: sleep and hope. Every wait is a poll with a deadline; a deadline that
+passes is a failure with the evidence (the proxies' logs) attached.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lab import Lab
+from lab.common import wait_until
+from tests.support import objects
+
+CLIENT_IP = "10.79.0.100"
+"""The external client (lab.topology.CLIENT_IP); asserted literally, as the issue states it."""
+POD_PORT = 8080
+GENERATION_RE = re.compile(r"state file \S+: generation (\d+) ")
+
+Outcome = str
+"""``ok``, ``refused``, ``timeout``, ``reset`` or ``error: ...``: what a connect attempt saw."""
+
+
+# ------------------------------------------------------------------ lab files
+
+
+def service(name: str = "web", etp: str | None = None, *, app: str | None = None,
+            type: str = "NodePort", ports: list[dict[str, Any]] | None = None,
+            **spec: Any) -> dict[str, Any]:
+    """A v1 Service for a lab file selecting ``app=<app or name>``, one port 80 -> 8080.
+
+    No clusterIP, nodePort, protocol or (unless ``etp``) policy: the lab's
+    controller fills them in as the API server would.
+    """
+    if ports is not None:
+        spec["ports"] = ports
+    return objects.service(name, None, POD_PORT, type=type, etp=etp, cluster_ip=None,
+                           selector={"app": app or name}, protocol=None, **spec)
+
+
+def lab_spec(pods: Mapping[str, str], *services: dict[str, Any], nodes: int = 3,
+             app: str = "web", extra_pods: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A lab file: ``pods`` maps pod name -> node; every pod is labelled ``app=<app>``."""
+    pod_list: list[dict[str, Any]] = [
+        {"name": p, "node": n, "labels": {"app": app}, "port": POD_PORT}
+        for p, n in pods.items()]
+    pod_list += [dict(p) for p in extra_pods]
+    return {"nodes": nodes, "pods": pod_list, "services": list(services)}
+
+
+# ------------------------------------------------------------------ proxy state
+
+
+def generation(lab: Lab, node: str) -> int:
+    """The newest state-file generation node's ``kpx node`` has logged (0: none yet)."""
+    found = GENERATION_RE.findall(lab.proxy_log(node))
+    return max((int(g) for g in found), default=0)
+
+
+def generations(lab: Lab) -> dict[str, int]:
+    return {n: generation(lab, n) for n in lab.nodes}
+
+
+def logs(lab: Lab) -> str:
+    """Every proxy's log, for failure messages."""
+    return "\n".join(f"===== {n} =====\n{lab.proxy_log(n)[-4000:]}" for n in lab.nodes)
+
+
+def wait_applied(lab: Lab, before: Mapping[str, int] | None = None,
+                 timeout: float = 5.0) -> None:
+    """Wait until every proxy has applied a generation newer than ``before``.
+
+    The generation line is logged by the event-loop callback that then
+    applies the snapshot, and connections are accepted on that same loop,
+    so any connection accepted after the line appears sees the new state.
+    Without ``before``: until each proxy has applied its first state.
+    """
+    before = before or {}
+
+    def pending() -> list[str]:
+        return [n for n in lab.nodes if generation(lab, n) <= before.get(n, 0)]
+
+    try:
+        wait_until(lambda: not pending(), timeout, 0.02)
+    except TimeoutError:
+        raise AssertionError(f"proxies on {pending()} did not apply a state newer than"
+                             f" {dict(before)} within {timeout}s\n{logs(lab)}") from None
+
+
+def wait_log(lab: Lab, node: str, pattern: str | re.Pattern[str], *, since: int = 0,
+             timeout: float = 5.0) -> list[re.Match[str]]:
+    """Wait until node's proxy log, from character ``since`` on, matches ``pattern``."""
+    rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+    try:
+        return wait_until(lambda: list(rx.finditer(lab.proxy_log(node)[since:])), timeout, 0.02)
+    except TimeoutError:
+        raise AssertionError(f"{node}'s proxy log never matched {rx.pattern!r} within"
+                             f" {timeout}s\n{logs(lab)}") from None
+
+
+def poll_change(lab: Lab, probe: Callable[[], bool], what: str, budget: float = 5.0) -> float:
+    """Seconds from the state file's last write until ``probe`` first saw the new behaviour.
+
+    The time is taken when the successful probe *started* (its SYN left
+    then), and the write time is the file's mtime, which precedes the
+    atomic rename: both err towards reporting a longer delay, never a
+    shorter one. Fails if the behaviour has not changed within ``budget``.
+    (A measurement, not just a wait: hence not ``lab.common.wait_until``.)
+    """
+    written = lab.state_path.stat().st_mtime
+    deadline = time.monotonic() + budget
+    while True:
+        started = time.time()
+        if probe():
+            return started - written
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not seen within {budget}s of the state write\n"
+                                 f"{logs(lab)}")
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------ traffic
+
+
+def peer_ip(reply: Mapping[str, Any]) -> str:
+    """The address the pod saw as its TCP peer."""
+    return str(reply["peer"]).rsplit(":", 1)[0]
+
+
+def who(lab: Lab, src: str, ip: str, port: int,
+        timeout: float = 2.0) -> tuple[dict[str, Any], tuple[str, int]]:
+    """One WHO request: (the pod's reply, our local address)."""
+    with lab.socket(src) as s:
+        s.settimeout(timeout)
+        s.connect((ip, port))
+        local = s.getsockname()
+        s.sendall(b"WHO\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(4096)
+            if not chunk:
+                raise ConnectionError(f"EOF after {len(buf)} bytes from {ip}:{port}")
+            buf += chunk
+        return json.loads(buf), (local[0], local[1])
+
+
+def connect_outcome(lab: Lab, src: str, ip: str, port: int, timeout: float) -> Outcome:
+    """Try one TCP connect from ``src``; classify what happened."""
+    with lab.socket(src) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect((ip, port))
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "timeout"
+        except ConnectionResetError:
+            return "reset"
+        except OSError as exc:
+            return f"error: {exc}"
+        return "ok"
+
+
+def timed_connects(lab: Lab, src: str, targets: Iterable[tuple[str, int]],
+                   timeout: float) -> dict[tuple[str, int], tuple[Outcome, float]]:
+    """Connect to every target at once (in threads): ``{target: (outcome, seconds)}``."""
+    def one(target: tuple[str, int]) -> tuple[Outcome, float]:
+        t0 = time.monotonic()
+        outcome = connect_outcome(lab, src, target[0], target[1], timeout)
+        return outcome, time.monotonic() - t0
+
+    todo = list(targets)
+    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+        return dict(zip(todo, pool.map(one, todo), strict=True))

@@ -1,0 +1,142 @@
+"""Observing the wire and the kernel from outside the proxy: raw SYNs and ``ss``.
+
+Owns: the one scapy SYN probe. ``syn_answers(netns, targets, window)`` runs
+this module as a script (``python -m tests.support.probes``) inside a
+namespace: it sends one pure SYN per target from a source port no socket
+owns, sniffs ``window`` seconds on ``iface`` and reports the TCP flags of
+every answer per target, plus any ICMP the targets sent. ``syn_probe``
+classifies the first answer the way the dataplane tests state it: a dropped
+SYN gets *no* answer at all (``none``), a rejected one an RST at once
+(``rst``), a served one a SYN-ACK (``synack``).
+
+Also: ``ss_listening`` (LISTEN sockets, ``ss -ltnH``) and ``ss_drops`` (a
+listener's drop counter, ``ss -m``), optionally inside a namespace.
+
+Never: import scapy outside the probe process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def syn_answers(netns: str, targets: Iterable[tuple[str, int]], window: float = 1.5,
+                iface: str = "eth0") -> tuple[dict[str, list[str]], list[str]]:
+    """Send one raw SYN per target from ``netns`` and sniff ``window`` seconds on ``iface``.
+
+    Returns ``({"ip:port": [tcp flags of each answer]}, [icmp messages from the targets])``.
+    """
+    argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.probes",
+            json.dumps([list(t) for t in targets]), str(window), iface]
+    try:
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                              timeout=30 + window, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"scapy probe hung: {exc}") from exc
+    if done.returncode != 0:
+        raise AssertionError(f"scapy probe failed ({done.returncode}):\n{done.stderr}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["tcp"], result["icmp"]
+
+
+def first_answer(flags: list[str]) -> str:
+    """``synack``, ``rst``, ``none`` (no answer) or ``other:<flags>``, from the first answer."""
+    if not flags:
+        return "none"
+    if "R" in flags[0]:
+        return "rst"
+    if "S" in flags[0] and "A" in flags[0]:
+        return "synack"
+    return f"other:{flags[0]}"
+
+
+def syn_probe(netns: str, *targets: tuple[str, int], timeout: float = 1.0,
+              iface: str = "eth0") -> list[str]:
+    """One pure SYN per target from ``netns``: ``synack``, ``rst`` or ``none`` for each."""
+    tcp, _ = syn_answers(netns, targets, window=timeout, iface=iface)
+    return [first_answer(tcp[f"{ip}:{port}"]) for ip, port in targets]
+
+
+def _ss(argv: list[str], netns: str | None) -> str:
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip()}")
+    return res.stdout
+
+
+def ss_listening(port: int, netns: str | None = None) -> list[str]:
+    """``ss -ltnH`` lines of the TCP sockets in LISTEN on ``port`` (none: ``[]``)."""
+    out = _ss(["ss", "-ltnH", f"sport = :{port}"], netns)
+    return [ln for ln in out.splitlines() if ln.strip()]
+
+
+def ss_drops(port: int, netns: str) -> int:
+    """The listener's socket drop counter (``d`` in ``ss -m``): SYNs the filter ate."""
+    out = _ss(["ss", "-ltnmH", f"sport = :{port}"], netns)
+    return sum(int(d) for d in re.findall(r"\bd(\d+)\)", out))  # every address
+
+
+# ------------------------------------------------------------ the probe process
+
+_SPORTS = range(20000, 30000)
+"""Source ports below the ephemeral range: no real socket of ours can own them."""
+
+
+def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespace
+    import random
+    import threading
+    import time
+
+    from scapy.all import ICMP, IP, TCP, AsyncSniffer, conf  # type: ignore[attr-defined]
+    from scapy.supersocket import L3RawSocket
+
+    conf.verb = 0
+    targets = [tuple(t) for t in json.loads(argv[0])]
+    window, iface = float(argv[1]), argv[2]
+    sports = random.sample(_SPORTS, len(targets))
+    want = {(ip, port, sp): f"{ip}:{port}" for (ip, port), sp in zip(targets, sports, strict=True)}
+    ips = {ip for ip, _ in targets}
+    seen: dict[str, list[str]] = {f"{ip}:{port}": [] for ip, port in targets}
+    icmp: list[str] = []
+
+    def keep(p) -> bool:
+        if IP not in p or p[IP].src not in ips:
+            return False  # our own SYNs, and the kernel's RST to any SYN-ACK, are ignored
+        if TCP in p:
+            return (p[IP].src, p[TCP].sport, p[TCP].dport) in want
+        return ICMP in p
+
+    started = threading.Event()
+    sniffer = AsyncSniffer(iface=iface, store=True, lfilter=keep,
+                           started_callback=started.set)
+    sniffer.start()
+    if not started.wait(10):
+        sys.exit("sniffer did not start")
+    raw = L3RawSocket()
+    try:
+        for (ip, port, sp) in want:
+            raw.send(IP(dst=ip) / TCP(sport=sp, dport=port, flags="S",
+                                      seq=random.getrandbits(32)))
+    finally:
+        raw.close()
+    time.sleep(window)  # the observation window: silence is the thing measured
+    sniffer.stop()
+    for p in sniffer.results or []:
+        if TCP in p:
+            seen[want[(p[IP].src, p[TCP].sport, p[TCP].dport)]].append(str(p[TCP].flags))
+        else:
+            icmp.append(f"{p[IP].src} {p[ICMP].type}/{p[ICMP].code}")
+    print(json.dumps({"tcp": seen, "icmp": icmp}))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

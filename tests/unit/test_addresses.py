@@ -1,0 +1,50 @@
+"""--nodeport-addresses, read in one place: where NodePorts and health checks listen."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from proxy.core.addresses import nodeport_addresses, parse_nodeport_addresses
+from proxy.core.addresses import nodeport_addresses as listen_addresses
+from proxy.core.model import Node
+
+
+def test_listen_addresses_follow_nodeport_cidrs() -> None:
+    nets = lambda *c: [ipaddress.ip_network(x) for x in c]  # noqa: E731
+    ips = ["10.0.0.5", "192.168.9.9"]
+    # No CIDRs: every local address, as --dst-type LOCAL; one socket per port.
+    assert listen_addresses(ips, None, True) == ("0.0.0.0",)
+    assert listen_addresses((), None, True) == ("0.0.0.0",)
+    assert listen_addresses(ips, [], True) == ("0.0.0.0",)
+    # Without loopback NodePorts a wildcard would say too much: per node IP.
+    assert listen_addresses(ips, None, False) == ("10.0.0.5", "192.168.9.9")
+    # CIDRs: one socket per node IP (and 127.0.0.1) inside them.
+    assert listen_addresses(ips, nets("10.0.0.0/8"), True) == ("10.0.0.5",)
+    assert listen_addresses(ips, nets("127.0.0.0/8", "192.168.0.0/16"), True) == (
+        "192.168.9.9", "127.0.0.1")
+    assert listen_addresses(ips, nets("fd00::/8"), True) == ()
+
+
+def test_nodeport_addresses_for_health_checks() -> None:
+    """--nodeport-addresses, as the health checks take it (loopback always a candidate)."""
+    node = Node("node-a", internal_ips=("192.0.2.1",), external_ips=("198.51.100.1",))
+    ips = node.ips
+
+    def hosts(*cidrs: object) -> tuple[str, ...]:
+        return nodeport_addresses(ips, parse_nodeport_addresses(",".join(map(str, cidrs))))
+
+    assert nodeport_addresses(ips, None) == ("0.0.0.0",)
+    assert hosts() == ("0.0.0.0",)
+    assert hosts("0.0.0.0/0") == ("0.0.0.0",)
+    assert hosts("192.0.2.0/24") == ("192.0.2.1",)
+    assert hosts(
+        ipaddress.ip_network("192.0.2.0/24"), ipaddress.ip_network("127.0.0.0/8")
+    ) == ("192.0.2.1", "127.0.0.1")
+    assert hosts("10.0.0.0/8") == ()
+    assert hosts("127.0.0.1", "127.0.0.1") == ("127.0.0.1",)
+    with pytest.raises(ValueError):
+        parse_nodeport_addresses("not-an-ip")
+    with pytest.raises(ValueError):
+        parse_nodeport_addresses("10.0.0.0/33")

@@ -1,0 +1,173 @@
+"""The proxier's one sync: one computation per snapshot, handed to the dataplane and healthz.
+
+Also kube-proxy's sync metrics, which the sync sets (the no-local-endpoints
+gauge, network programming latency), and the pure half prepared in the
+source's worker thread giving exactly what the loop would compute.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from healthz.proxy_health import ProxyHealth
+from healthz.service_health import ServiceHealthServer
+from proxy.core.sync import SyncResult
+from proxy.proxier import Proxier
+from tests.support.health import FakeClock, ep, eps_slice, free_port, lb_service, snap
+from tests.support.wiring import sample, sync_config
+
+T0 = 1_800_000_000.0
+COUNT = "kubeproxy_network_programming_duration_seconds_count"
+TOTAL = "kubeproxy_network_programming_duration_seconds_sum"
+DROPPING = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+
+
+def proxier(clock: FakeClock | None = None, **kw: object) -> Proxier:
+    return Proxier(sync_config("node-a"), clock=clock or FakeClock(T0), **kw)  # type: ignore[arg-type]
+
+
+class Recorder:
+    """A dataplane that keeps what the sync hands it."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.prepared: list[SyncResult] = []
+        self.applied: list[SyncResult] = []
+        self.fail = fail
+
+    def prepare(self, sync: SyncResult) -> None:
+        self.prepared.append(sync)
+
+    def apply(self, sync: SyncResult) -> None:
+        self.applied.append(sync)
+        if self.fail:
+            raise OSError("dataplane broke")
+
+
+def test_no_local_endpoints_gauge_counts_dropping_local_service_ports() -> None:
+    here = lb_service("here", node_port=30001)
+    elsewhere = lb_service("elsewhere", node_port=30002)
+    nowhere = lb_service("nowhere", node_port=30003)
+    cluster = lb_service("cluster", policy="Cluster", node_port=30004)
+    proxier().sync(
+        snap(
+            [here, elsewhere, nowhere, cluster],
+            [
+                eps_slice(here, [ep("10.1.0.1", "node-a")]),
+                eps_slice(elsewhere, [ep("10.1.0.2", "node-b")]),
+                eps_slice(cluster, [ep("10.1.0.3", "node-b")]),
+            ],
+        )
+    )
+    # Only "elsewhere" drops: "nowhere" rejects, "cluster" forwards.
+    assert sample(DROPPING, traffic_policy="external") == 1
+    assert sample(DROPPING, traffic_policy="internal") == 0
+
+
+def test_network_programming_latency_observed_once_per_new_trigger() -> None:
+    clock = FakeClock(T0)
+    px = proxier(clock)
+    svc = lb_service()
+    n0, s0 = sample(COUNT), sample(TOTAL)
+
+    # A trigger from before we started measures our start-up: ignored.
+    px.sync(snap([svc], [eps_slice(svc, [], trigger_time=T0 - 100)]))
+    assert sample(COUNT) == n0
+
+    clock.advance(2.0)
+    state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1.5)])
+    px.sync(state)
+    assert sample(COUNT) == n0 + 1
+    assert sample(TOTAL) == pytest.approx(s0 + 0.5)
+    px.sync(state)  # same trigger again: not a new change
+    assert sample(COUNT) == n0 + 1
+
+
+def test_sync_metrics_prepared_or_not_give_the_same_gauges() -> None:
+    clock = FakeClock(T0)
+    here, gone = lb_service("here", node_port=30001), lb_service("gone", node_port=30002)
+    first = snap([here, gone], [eps_slice(here, [ep("10.1.0.1", "node-a")], trigger_time=T0 + 1),
+                                eps_slice(gone, [ep("10.1.0.2", "node-b")], trigger_time=T0 + 1)])
+    second = snap([here, gone], [eps_slice(here, [ep("10.1.0.1", "node-a")], trigger_time=T0 + 1),
+                                 eps_slice(gone, [], trigger_time=T0 + 2)], generation=2)
+    prepared = proxier(clock)
+    plain = proxier(clock)
+    n0 = sample(COUNT)
+    clock.advance(3)
+    prepared.prepare(first)
+    prepared.sync(first)
+    assert sample(DROPPING, traffic_policy="external") == 1
+    assert sample(COUNT) == n0 + 2
+    prepared.prepare(second)
+    prepared.sync(second)
+    assert sample(DROPPING, traffic_policy="external") == 0
+    assert sample(COUNT) == n0 + 3  # only the slice whose trigger changed
+
+    plain.prepare(second)  # prepared for another snapshot: not used for this one
+    plain.sync(first)
+    assert sample(DROPPING, traffic_policy="external") == 1
+    assert sample(COUNT) == n0 + 5
+    plain.sync(second)
+    assert sample(DROPPING, traffic_policy="external") == 0
+    assert sample(COUNT) == n0 + 6
+
+
+def test_prepared_trigger_times_are_measured_against_the_last_sync() -> None:
+    clock = FakeClock(T0)
+    svc = lb_service()
+    state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1)])
+    px = proxier(clock)
+    n0 = sample(COUNT)
+    px.prepare(state)
+    px.sync(state)  # no prepared data left: measured afresh, already seen
+    px.sync(state)
+    assert sample(COUNT) == n0 + 1
+
+
+def test_one_computation_per_snapshot_reaches_every_consumer() -> None:
+    """The dataplane gets the very result it was prepared with; healthz gets its parts."""
+    dataplane = Recorder()
+    health = ProxyHealth()
+    services = ServiceHealthServer(health)  # not started: records, binds nothing
+    px = proxier(dataplane=dataplane, services=services, health=health)
+    svc = lb_service("lb", hc_port=free_port(), node_port=30001)
+    state = snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a"), ep("10.1.0.2", "node-a")])])
+    px.prepare(state)
+    px.sync(state)
+    assert dataplane.applied == dataplane.prepared, "prepared once, applied as prepared"
+    result = dataplane.applied[0]
+    assert result is px.last
+    assert result.health_check_ports == {"default/lb": svc.health_check_node_port}
+    assert result.local_ready == {"default/lb": 2}
+    assert health.node_eligible, "the snapshot's node-a is eligible"
+    assert services._ports == {"default/lb": svc.health_check_node_port}
+    assert services._counts == {"default/lb": 2}
+    assert list(result.plans) == [30001]
+
+
+def test_a_failing_dataplane_still_feeds_healthz_and_keeps_the_update_pending() -> None:
+    health = ProxyHealth()
+    services = ServiceHealthServer(health)
+    px = proxier(dataplane=Recorder(fail=True), services=services, health=health)
+    svc = lb_service("lb", hc_port=free_port(), node_port=30001)
+    with pytest.raises(OSError, match="dataplane broke"):
+        px.sync(snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])]))
+    assert services._counts == {"default/lb": 1}
+    assert health.node_eligible
+
+
+async def test_health_checks_prepared_or_not_serve_the_same_counts() -> None:
+    svc = lb_service("lb", hc_port=free_port(), node_port=30001)
+    state = snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a"), ep("10.1.0.2", "node-a")])])
+    other = snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])], generation=2)
+    for prepare_with in (state, other, None):
+        server = ServiceHealthServer(ProxyHealth())
+        server.start()
+        px = proxier(services=server)
+        if prepare_with is not None:
+            px.prepare(prepare_with)
+        try:
+            px.sync(state)
+            assert server.local_endpoints("default/lb") == 2, prepare_with
+            assert px._prepared.peek(prepare_with or state) is None
+        finally:
+            await server.stop()
