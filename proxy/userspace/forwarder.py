@@ -13,7 +13,14 @@ plain ints, flushed in batches: see ``PortMetrics``), read a client before
 its upstream is connected, or hold more than one read per direction. Never
 log a per-connection event except through ``Forwarder.warn``: rate-limited
 per cause and service (``proxy.util.lograte``), so a refusing endpoint under
-load writes two lines per 10 s, not three per connection.
+load writes two lines per ``LOG_WINDOW``, not three per connection.
+
+The rules come first, as data: ``RELAY_RULES`` and ``DIRECTION_RULES``
+right below the imports say, for each phase and event, what a relay does
+and which phase it is in next. The code branches rather than looking them
+up (a lookup per event would be paid by every chunk);
+``tests/dataplane/test_dp_relay_table.py`` drives the real relay through
+every row, so the tables and the code cannot drift apart silently.
 
 Theory of operation
 -------------------
@@ -37,30 +44,18 @@ there to its ``Relay`` for anything but a plain read-and-send:
    buffers do the queueing, as in HAProxy's one buffer per direction.
 3. *finished*: both sockets closed; the relay leaves ``Forwarder.active``.
 
-Why not uvloop transports and a Protocol per side, which this module used
-before. CPU per proxied connection under the bench's connection-rate load,
-same run (bench topology, local path, wrk ``Connection: close``):
-
-- 246 µs: a Task per connection, ``asyncio.timeout``, ``loop.sock_connect``
-  (uvloop 0.23 resolves even a numeric address with ``getaddrinfo`` in its
-  thread pool, on every call: a thread hand-off and futex wake-ups per
-  connection), then ``create_connection(sock=)`` and
-  ``connect_accepted_socket``;
-- 129 µs: the same transports, but our own connect and one deadline queue;
-- 110 µs: no transports, this epoll set; HAProxy: 81 µs.
-
-Transports are made through coroutines (a Task, futures and context copies
-per connection), tracked in a WeakValueDictionary, and each makes five
-syscalls of its own (O_NONBLOCK, TCP_NODELAY, getsockname, getpeername,
-epoll_ctl); even ``loop.add_writer`` costs five syscalls per connect under
-libuv. A relay never parses: ``recv_into`` and ``send`` on an epoll set are
-all it needs per event. strace of the bench's connection-rate load, per
-connection: 21 syscalls when the client IP is kept (18 when SNATed: the
-other 3 are IP_TRANSPARENT, IP_BIND_ADDRESS_NO_PORT and bind), against 34
-with transports; HAProxy, which SNATs, makes 18. Two of the savings: no
-SO_ERROR read after a connect that epoll reports clean, and no FIONBIO on
-accepted sockets (``_DONTWAIT``). One is out of reach: CPython's socket
-constructor calls getsockname on every accepted fd.
+Why not uvloop transports and a Protocol per side: transports are made
+through coroutines (a Task, futures and context copies per connection),
+and each makes syscalls of its own (O_NONBLOCK, TCP_NODELAY, getsockname,
+getpeername, epoll_ctl; ``loop.add_writer`` alone makes several per
+connect under libuv), while uvloop's ``sock_connect`` resolves even a
+numeric address with ``getaddrinfo`` in its thread pool (uvloop 0.23). A
+relay never parses: ``recv_into`` and ``send`` on an epoll set are all it
+needs per event. Syscalls are saved where the kernel already answered: no
+SO_ERROR read after a connect that epoll reports clean, no FIONBIO on
+accepted sockets (``_DONTWAIT``). The CPU per connection of each design,
+and the syscall counts, are in docs/PERFORMANCE.md, "Relay: transports
+against one epoll set".
 
 Relay rules (the TCP semantics a kernel DNAT would give):
 
@@ -113,7 +108,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy import metrics
 from proxy.core.balancer import Balancer
@@ -122,6 +117,102 @@ from proxy.userspace.transparent import upstream_socket
 from proxy.util.lograte import RateLimitedLog
 
 log = logging.getLogger(__name__)
+
+# -- the rules: phase x event -> action / next phase ---------------------------------
+
+CONNECTING = 0
+"""``Relay.phase`` while the upstream connect is in flight."""
+LINKED = 1
+"""``Relay.phase`` once both sockets relay."""
+
+RELAY_PHASES: dict[str, str] = {
+    "connecting": "Relay.phase == CONNECTING: the upstream socket is watched for one"
+                  " EPOLLOUT; the client socket is not watched at all",
+    "linked": "Relay.phase == LINKED: both sockets relay, each direction in one of"
+              " DIRECTION_STATES",
+    "finished": "out of Forwarder.active, both sockets closed (Relay.phase is left as it was)",
+}
+"""A relay's phases, and how each shows in its fields."""
+
+DIRECTION_STATES: dict[str, str] = {
+    "open": "a is watched for reads; b.out is empty",
+    "paused": "b.out holds the rest of a read of a; a is not watched for reads,"
+              " b is watched for writes",
+    "done": "a read EOF (a.eof) and the FIN went on to b (b.shut, or b closed)",
+}
+"""While linked, each direction (``a`` read, its peer ``b`` written:
+client -> endpoint and endpoint -> client) is in one of these states."""
+
+
+class Rule(NamedTuple):
+    """What a relay does on one event in one phase, and where that leaves it."""
+
+    action: str
+    then: str
+    """The next phase (or direction state)."""
+    by: str
+    """The method that carries the rule out."""
+
+
+RELAY_RULES: dict[tuple[str, str], Rule] = {
+    # "connect failed": refused or unreachable at once (Relay.connect), an
+    # error epoll reports (Relay.connect_ready) or the deadline passed
+    # (Relay.connect_timed_out). Every failure re-decides without the
+    # endpoints that failed for this connection.
+    ("connecting", "connected"): Rule(
+        "link the sides, watch both for reads, count it forwarded",
+        "linked", "Relay.connect_ready"),
+    ("connecting", "connect failed, another endpoint eligible"): Rule(
+        "close the attempt, log it (rate-limited), connect to that endpoint",
+        "connecting", "Relay._connect_failed"),
+    ("connecting", "connect failed, no endpoint left"): Rule(
+        "close the attempt, RST the client, count it rejected",
+        "finished", "Relay._connect_failed"),
+    ("connecting", "abort"): Rule(
+        "close the attempt, RST the client",
+        "finished", "Relay.abort"),
+    # "abort": drain's deadline, Forwarder.close, or a bug in the relay
+    # (Forwarder._poll catches it: it costs this connection only).
+    ("linked", "both directions done"): Rule(
+        "nothing more: each socket was closed when it was done both ways",
+        "finished", "Relay._maybe_finish"),
+    ("linked", "recv or send failed (RST, EPIPE, timeout)"): Rule(
+        "RST both sockets",
+        "finished", "Relay.reset"),
+    ("linked", "idle past its conntrack timeout"): Rule(
+        "RST both sockets, count and log it",
+        "finished", "Relay.expire"),
+    ("linked", "abort"): Rule(
+        "RST both sockets",
+        "finished", "Relay.abort"),
+}
+"""The relay as a whole. Not in it, on purpose: anything the client sends
+while connecting (data, FIN, RST) waits in the kernel until linked."""
+
+DIRECTION_RULES: dict[tuple[str, str], Rule] = {
+    ("open", "read, b takes it all"): Rule(
+        "sent straight from the shared buffer, nothing copied (the hot path)",
+        "open", "_Side.on_event"),
+    ("open", "read, b takes part or none"): Rule(
+        "copy the rest to b.out, stop reading a, watch b for writes",
+        "paused", "Relay.hold"),
+    ("open", "EOF read"): Rule(
+        "FIN to b: shutdown(SHUT_WR), or close() if b read EOF too;"
+        " close a if it was sent a FIN already",
+        "done", "Relay.eof"),
+    ("paused", "b writable, takes all of b.out"): Rule(
+        "watch a for reads again",
+        "open", "Relay.flush"),
+    ("paused", "b writable, takes part"): Rule(
+        "keep the rest in b.out",
+        "paused", "Relay.flush"),
+}
+"""One direction, while linked. Not in it, on purpose: a paused ``a`` is
+not read, so its data, EOF or error waits until it is open again (EOF is
+only ever read in ``open``, with nothing pending for ``b``); a direction
+that is done stays done."""
+
+# -- constants ------------------------------------------------------------------------
 
 READ_SIZE = 256 * 1024
 """Bytes per read: large reads keep bulk transfers cheap; a relay holds at
@@ -158,16 +249,13 @@ _DONTWAIT = socket.MSG_DONTWAIT
 blocking mode, which saves the FIONBIO ioctl per connection that
 ``setblocking(False)`` costs (upstream sockets are born non-blocking)."""
 
-# Relay phases.
-CONNECTING = 0
-LINKED = 1
-
 
 class PortMetrics:
     """The counters of one service port: plain ints, flushed to Prometheus in batches.
 
     Why not ``Counter.inc()`` per connection: each takes a lock and a few
-    Python calls (about 1 µs); a connection touched six of them. The hot
+    Python calls, and a connection touched six of them (cost: see
+    docs/PERFORMANCE.md, "Relay: transports against one epoll set"). The hot
     path adds to ints instead and marks the port dirty once; ``flush`` adds
     the deltas to the labelled children at most once per
     ``METRICS_FLUSH_INTERVAL``, and at shutdown. The active-connections
@@ -193,8 +281,9 @@ class PortMetrics:
         self.active = 0
         self.dirty = False
         # The labelled children are made on the first flush, i.e. only for
-        # ports that saw a connection: making nine per port up front cost
-        # 2 s of a 2.7 s apply of 10,000 services.
+        # ports that saw a connection: nine per port made up front were most
+        # of the time a big state took to apply (docs/PERFORMANCE.md, "Relay:
+        # transports against one epoll set").
         self._children: tuple[Any, ...] = ()
 
     def _active_now(self) -> float:
@@ -301,7 +390,8 @@ class _Side:
         """One epoll event of this socket: the hot path of every relay.
 
         A read that the other socket takes whole, the common case, stays in
-        this one method; everything else goes to the relay.
+        this one method (rule, direction self -> peer: open x read, b takes
+        it all -> open); everything else goes to the relay.
         """
         relay = self.relay
         if relay is None:
@@ -352,9 +442,9 @@ class _Side:
 class Relay:
     """One proxied connection, from accept until both sockets are closed.
 
-    Phases: ``CONNECTING`` (``upstream`` is connecting and registered,
-    ``client`` is not), ``LINKED`` (relaying); then *finished*, i.e. removed
-    from ``Forwarder.active``. Aborting works in every phase.
+    Its phases and what moves it between them: ``RELAY_PHASES`` and
+    ``RELAY_RULES``; while linked, each direction follows ``DIRECTION_RULES``.
+    Each method that carries out a rule names its row ("Rule: ...").
 
     ``mark`` and ``idle_since`` belong to the idle sweep (``Forwarder._sweep``):
     the byte counts it last saw (-1: activity the counts do not show, or not
@@ -390,7 +480,7 @@ class Relay:
         """Start a non-blocking connect to ``decision``'s endpoint.
 
         A connect that fails at once (no free port, unreachable, EMFILE) moves
-        on to the next eligible endpoint right here.
+        on to the next eligible endpoint right here (``_connect_failed``).
         """
         fwd = self.fwd
         attempt: Forward | None = decision
@@ -420,6 +510,8 @@ class Relay:
         SO_ERROR is read only when epoll reports an error: a connect that
         succeeded is plain EPOLLOUT, and skipping the getsockopt saves a
         syscall on every connection.
+
+        Rule: connecting x connected -> linked (a failure: ``_connect_failed``).
         """
         up = self.upstream
         if up is None or self.phase != CONNECTING:
@@ -464,7 +556,11 @@ class Relay:
     def _connect_failed(
         self, addr: tuple[str, int], snat: bool, exc: OSError
     ) -> Forward | None:
-        """Log and count one failed connect; the next decision, or None after RST."""
+        """Log and count one failed connect; the next decision, or None after RST.
+
+        Rules: connecting x connect failed, another endpoint eligible ->
+        connecting (the caller connects to it); ..., no endpoint left -> finished.
+        """
         state = self.fwd.ports.get(self.node_port, self.state)
         plan = state.plan
         client_ip = self.client_addr[0]
@@ -504,6 +600,8 @@ class Relay:
 
         The rest is copied because the shared buffer is reused by the next
         read; ``a`` is read again once ``b`` has taken it all (``flush``).
+
+        Rule (direction a -> b): open x read, b takes part or none -> paused.
         """
         fwd = self.fwd
         # Never overtake data already pending (not reached while ``a`` is
@@ -514,7 +612,11 @@ class Relay:
         fwd.set_mask(b, b.mask | _EPOLLOUT)
 
     def eof(self, a: _Side) -> None:
-        """``a`` read EOF: a half-close, passed on once its peer has what is pending."""
+        """``a`` read EOF: a half-close, passed on once its peer has what is pending.
+
+        Rule (direction a -> b): open x EOF read -> done. Nothing is pending
+        for ``b`` then (a paused ``a`` is not read); the check stays anyway.
+        """
         fwd = self.fwd
         b = a.peer
         assert b is not None
@@ -529,7 +631,11 @@ class Relay:
         self._maybe_finish()
 
     def flush(self, b: _Side) -> None:
-        """``b`` is writable: send what is pending for it."""
+        """``b`` is writable: send what is pending for it.
+
+        Rules (direction b.peer -> b): paused x b writable -> open when it
+        takes all, paused when it takes part.
+        """
         fwd = self.fwd
         out = b.out
         assert out is not None
@@ -573,14 +679,20 @@ class Relay:
         b.shut = True
 
     def reset(self, broken: _Side, exc: OSError) -> None:
-        """``broken`` failed (RST, EPIPE, timeout): reset the other side too."""
+        """``broken`` failed (RST, EPIPE, timeout): reset the other side too.
+
+        Rule: linked x recv or send failed -> finished.
+        """
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %s: %s side failed: %s", self.state.plan.key, self.client_str(),
                       "client" if broken is self.client else "endpoint", exc)
         self.abort()
 
     def expire(self, reason: str, idle: float) -> None:
-        """Idle past its conntrack timeout: reset both sides, count and log it."""
+        """Idle past its conntrack timeout: reset both sides, count and log it.
+
+        Rule: linked x idle past its conntrack timeout -> finished.
+        """
         key = self.metrics.key
         metrics.CONNECTIONS_EXPIRED.labels(key, reason).inc()
         self.fwd.warn(
@@ -593,11 +705,15 @@ class Relay:
         self.abort()
 
     def _maybe_finish(self) -> None:
+        """Rule: linked x both directions done -> finished (once both sockets are closed)."""
         if self.client.closed and (self.upstream is None or self.upstream.closed):
             self._finish()
 
     def abort(self) -> None:
-        """RST whatever is still open of this connection and finish it, in any phase."""
+        """RST whatever is still open of this connection and finish it, in any phase.
+
+        Rules: connecting x abort, linked x abort -> finished.
+        """
         fwd = self.fwd
         if self.phase == CONNECTING:
             self._drop_upstream()  # never connected: a plain close

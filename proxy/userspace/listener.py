@@ -28,19 +28,20 @@ kernel's accept queue while we back off (test_dp_listener's EMFILE test,
 under both loops), and hands over a raw socket, which the forwarder relays
 without any transport (forwarder.py says why). That is also why the C
 accept path would not pay here even with EMFILE solved: it yields a uvloop
-transport, and making transports was the larger cost (about 20 µs of CPU per
-connection, against 3-4 µs for this loop's accept and socket object). It
-accepts up to ``ACCEPT_BATCH`` connections per readiness callback, with
-``_accept()`` and an explicit family/type: ``socket.accept()`` converts both
-to enums per connection.
+transport, and making a transport costs several times what this loop's
+accept and socket object do (figures: docs/PERFORMANCE.md, "Listener:
+accept path and one epoll set"). It accepts up to ``ACCEPT_BATCH``
+connections per readiness callback, with ``_accept()`` and an explicit
+family/type: ``socket.accept()`` converts both to enums per connection.
 
 The listening socket carries TCP_NODELAY: accepted sockets inherit it,
 which saves the relay one setsockopt per connection.
 
 A dataplane's listeners share one ``AcceptSet``: a private epoll set the
 event loop watches as a single reader. ``loop.add_reader`` per listener
-made a uvloop handle and poll object for each, 6.5 µs, against 1.8 µs for
-an ``epoll.register``: a tenth of applying 10,000 services.
+makes a uvloop handle and poll object for each, several times what an
+``epoll.register`` costs, and a big state adds thousands of listeners at
+once (same section of docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -2,12 +2,15 @@
 
 Owns: ``gc_paused``, the one policy for when kpx holds the cyclic GC off.
 
+Never: run a collection itself, or leave the GC off after the block: it
+restores what it found, so nesting is safe.
+
 Why at all: decoding and applying a 10,000-service state allocates millions
 of acyclic objects (dicts, strings, frozen dataclasses, listener handles).
 Each allocation burst triggers collections that walk every tracked object
-again, the whole previous state included: measured on a 10k apply, 300
-collections took 0.36 s of a 1.47 s parse-and-apply. Nothing built there
-forms a cycle, so reference counting frees it all anyway.
+again, the whole previous state included, burst after burst (figures:
+docs/PERFORMANCE.md, "GC pauses"). Nothing built there forms a cycle, so
+reference counting frees it all anyway.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def gc_paused() -> Iterator[None]:
             if gc.get_count()[0] > PROMOTE_AFTER:
                 # A big state (a first 10k-service state is ~400k tracked
                 # objects) would be walked by the very next young collection,
-                # ~0.2 s, and again by the middle one. What it built is
+                # and again by the middle one. What it built is
                 # long-lived by nature: move it straight to the oldest
                 # generation (freeze + unfreeze walk nothing). It stays
                 # collectable; it is just never treated as young.

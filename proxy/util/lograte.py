@@ -10,11 +10,12 @@ says what was held back: the latest such event in full, followed by
 the key's next event, and on ``flush``, which the owner calls from a timer
 so a burst that stops still gets its summary (``next_due`` says when).
 
-Why: a dataplane logs per connection. One client with 50 connections to a
-refusing endpoint wrote 25–30 MB of log in 10 s, three lines per failed
-connection. Per key, this writes at most two lines per window, however
-many events there are; memory is bounded by ``max_keys`` (further keys
-share one overflow window until windows end).
+Why: a dataplane logs per connection. Unlimited, a refusing endpoint costs
+three lines per failed connection, and one busy client turns that into
+megabytes per second (docs/PERFORMANCE.md, "Log volume"). Per key, this
+writes at most two lines per window, however many events there are; memory
+is bounded by ``max_keys`` (further keys share one overflow window until
+windows end).
 
 Never: write a control character taken from its input. Every written line
 is rendered here and has C0/C1 controls, DEL and Unicode line/paragraph
