@@ -14,6 +14,7 @@ import yaml
 
 from proxy.core.model import Endpoint, EndpointPort, Snapshot
 from proxy.k8s import StateError, parse_file, parse_objects, parse_state
+from tests.support import objects
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KUBECTL_LIST = FIXTURES / "kubectl_list.yaml"
@@ -30,23 +31,11 @@ pytestmark = pytest.mark.usefixtures("yaml_reader")
 
 def service(name: str = "web", namespace: str | None = "default", **spec: Any) -> dict[str, Any]:
     """A NodePort Service as kubectl prints it; ``spec`` keys override the defaults."""
-    meta: dict[str, Any] = {"name": name, "uid": f"uid-{name}", "resourceVersion": "1"}
-    if namespace is not None:
-        meta["namespace"] = namespace
-    body: dict[str, Any] = {
-        "type": "NodePort",
-        "clusterIP": "10.96.0.10",
-        "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}],
-        "selector": {"app": name},
-    }
-    body.update(spec)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta,
-        "spec": body,
-        "status": {"loadBalancer": {}},
-    }
+    return objects.service(
+        name, 30080, None, namespace=namespace, port_name="http", selector={"app": name},
+        meta={"uid": f"uid-{name}", "resourceVersion": "1"}, status={"loadBalancer": {}},
+        **spec,
+    )
 
 
 def endpoint_slice(
@@ -57,31 +46,21 @@ def endpoint_slice(
     namespace: str = "default",
     address_type: str = "IPv4",
 ) -> dict[str, Any]:
-    labels = {"endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
-    if service_name is not None:
-        labels["kubernetes.io/service-name"] = service_name
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "addressType": address_type,
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "endpoints": endpoints
-        if endpoints is not None
-        else [{"addresses": ["10.244.0.5"], "conditions": {"ready": True}, "nodeName": "node-a"}],
-        "ports": ports
-        if ports is not None
-        else [{"name": "http", "port": 8080, "protocol": "TCP"}],
-    }
+    """A slice of ``service_name`` as the endpointslice controller writes it."""
+    return objects.endpoint_slice(
+        service_name,
+        *(endpoints if endpoints is not None else [objects.endpoint("10.244.0.5", pod="")]),
+        ports=ports if ports is not None else [objects.slice_port(8080, "http")],
+        name=name,
+        namespace=namespace,
+        labels={"endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"},
+        address_type=address_type,
+    )
 
 
 def node(name: str = "node-a", ip: str = "192.168.49.2") -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-        "spec": {"podCIDR": "10.244.0.0/24"},
-        "status": {"addresses": [{"type": "InternalIP", "address": ip}]},
-    }
+    """A Node with its pod CIDR, as a node of a real cluster has."""
+    return {**objects.node(name, ip), "spec": {"podCIDR": "10.244.0.0/24"}}
 
 
 def patched(obj: dict[str, Any], path: str, value: object) -> dict[str, Any]:
