@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 
 from bench import k8s_state
+from proxy.core.decision import PortPlan
 from proxy.core.model import Snapshot
 from proxy.k8s import StateParser, parse_state
 from proxy.proxier import Proxier
-from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.dataplane import Dataplane, _PortTable
 from tests.support.loops import run_on
 from tests.support.wiring import sync_config
 
@@ -31,17 +32,24 @@ def state(n: int, endpoint: str, generation: int, parser: StateParser | None = N
     return parse_state(text, generation) if parser is None else parser.parse(text, generation)
 
 
+def prepared_table(px: Proxier, snapshot: Snapshot) -> tuple[dict[int, PortPlan], _PortTable]:
+    """What the worker thread's half of a sync made of ``snapshot``: its plans and port table."""
+    dp = px.dataplane
+    assert isinstance(dp, Dataplane)
+    px.prepare(snapshot)
+    ahead = px._prepared.take(snapshot)
+    assert ahead is not None
+    made = dp._prepared.take(ahead.result)
+    assert made is not None
+    return ahead.result.plans, made[1]
+
+
 def swap(px: Proxier, snapshot: Snapshot, prepared: bool) -> None:
     """What ``apply`` does to the table, with or without ``prepare`` first."""
     dp = px.dataplane
     assert isinstance(dp, Dataplane)
     if prepared:
-        px.prepare(snapshot)
-        ahead = px._prepared.take(snapshot)
-        assert ahead is not None
-        made = dp._prepared.take(ahead.result)
-        assert made is not None
-        plans, table = ahead.result.plans, made[1]
+        plans, table = prepared_table(px, snapshot)
     else:
         plans, table = px._compute(snapshot).plans, None
     dp._swap_plans(plans, table)
@@ -84,12 +92,7 @@ async def stale_prepared_table_is_made_again() -> None:
     px = Proxier(sync_config(NODE), dataplane=dp)
     try:
         one, two = state(4, "10.0.0.1", 1), state(4, "10.0.0.2", 2)
-        px.prepare(two)
-        ahead = px._prepared.take(two)
-        assert ahead is not None
-        made = dp._prepared.take(ahead.result)
-        assert made is not None
-        plans, stale = ahead.result.plans, made[1]
+        plans, stale = prepared_table(px, two)
         swap(px, one, prepared=False)  # the table in force changed since ``prepare``
         kept = {st.plan.key: st.balancer for st in dp.forwarder.ports.values()}
         dp._swap_plans(plans, stale)

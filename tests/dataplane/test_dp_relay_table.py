@@ -415,26 +415,25 @@ async def backpressure(mp: pytest.MonkeyPatch) -> Spy:
         return r.spy
 
 
-async def retry_refused(mp: pytest.MonkeyPatch) -> Spy:
-    """BAD refuses: the connection moves on to GOOD (round-robin meets BAD within two)."""
-    async with rig(mp, BAD, GOOD) as r:
+async def _retry(mp: pytest.MonkeyPatch, **rig_kwargs: Any) -> Spy:
+    """Two connections: round-robin meets BAD within two, and each one ends at GOOD."""
+    async with rig(mp, BAD, GOOD, **rig_kwargs) as r:
         for _ in range(2):
             c, s, relay = await r.link()
             await r.loop.sock_sendall(c, b"x")
             assert await r.recv(s, 1) == b"x"
             relay.abort()
         return r.spy
+
+
+async def retry_refused(mp: pytest.MonkeyPatch) -> Spy:
+    """BAD refuses: the connection moves on to GOOD."""
+    return await _retry(mp)
 
 
 async def retry_timed_out(mp: pytest.MonkeyPatch) -> Spy:
     """BAD hangs past the connect timeout: the connection moves on to GOOD."""
-    async with rig(mp, BAD, GOOD, stuck=True, connect_timeout=0.2) as r:
-        for _ in range(2):
-            c, s, relay = await r.link()
-            await r.loop.sock_sendall(c, b"x")
-            assert await r.recv(s, 1) == b"x"
-            relay.abort()
-        return r.spy
+    return await _retry(mp, stuck=True, connect_timeout=0.2)
 
 
 async def none_left(mp: pytest.MonkeyPatch) -> Spy:
