@@ -232,6 +232,7 @@ class Ownership:
         """
         deadline = time.monotonic() + successor_wait
         asked = False
+        busy_until: float | None = None
         owner: socket.socket | None = None
         claim: Claim | None = None
         while True:
@@ -246,7 +247,17 @@ class Ownership:
                 raise OwnershipError(_conflict_message(base))
             if holder is not None and not asked:
                 asked = True  # one try per start: a failed one falls back to waiting
-                got = _ask(base, holder, listeners, deadline)
+                try:
+                    got = _ask(base, holder, listeners, deadline)
+                except _Busy as busy:
+                    # Busy with a successor that may just have died: the owner
+                    # notices at once, so ask again for a moment before failing.
+                    now = time.monotonic()
+                    busy_until = busy_until or now + BUSY_GRACE
+                    if now >= busy_until:
+                        raise OwnershipError(str(busy)) from None
+                    asked = False
+                    got = None
                 if got is not None:
                     owner, claim = got
                     break
@@ -369,6 +380,19 @@ class Ownership:
                 setattr(self, attr, None)
 
 
+BUSY_GRACE = 0.5
+"""Seconds a successor keeps asking an owner that answers BUSY before it gives up.
+
+BUSY means another successor is taking over; if that one has just died, the
+owner is offering again within milliseconds, so a short grace turns that
+race into a takeover while a real third instance still fails in well under
+a second."""
+
+
+class _Busy(OwnershipError):
+    """The owner answered BUSY: another successor is taking over."""
+
+
 def _ask(base: str, holder: int, listeners: bool, deadline: float
          ) -> tuple[socket.socket | None, Claim | None] | None:
     """Ask the stopping owner ``holder`` for its handover (``Ownership.acquire``).
@@ -392,11 +416,15 @@ def _ask(base: str, holder: int, listeners: bool, deadline: float
         reader.close()
         return None
     try:
-        send_frame(conn, WANT, {"listeners": listeners})
+        # An owner busy with another successor answers BUSY as it accepts and
+        # hangs up, maybe before our request is through: its answer is still
+        # there to read.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            send_frame(conn, WANT, {"listeners": listeners})
         wait = max(deadline - time.monotonic(), ASK_TIMEOUT)
         kind, msg = reader.read(wait)
         if kind == BUSY:
-            raise OwnershipError(
+            raise _Busy(
                 f"another kpx node is already taking this network namespace over from pid "
                 f"{holder}; this one exits. {_conflict_message(base)}")
         if kind == FREE:
