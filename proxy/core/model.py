@@ -209,6 +209,17 @@ class Snapshot:
         return self._slices_by_service.get(key, ())
 
 
+def stamp_changes(snapshot: Snapshot, changes: Changes) -> Snapshot:
+    """``snapshot`` carrying ``changes``, set in place; returns it.
+
+    Only for a snapshot its source has just built and no one else holds yet:
+    ``dataclasses.replace`` would index every service and slice again.
+    """
+    if changes != snapshot.changes:
+        object.__setattr__(snapshot, "changes", changes)
+    return snapshot
+
+
 _T = TypeVar("_T")
 _SERVICE_KEY: Callable[[Service], str] = attrgetter("key")
 _SLICE_SERVICE_KEY: Callable[[EndpointSlice], str] = attrgetter("service_key")

@@ -61,8 +61,8 @@ from typing import Any, Literal, NamedTuple
 
 import yaml
 
-from proxy.core.changes import EVERYTHING, ChangeTracker
-from proxy.core.model import Snapshot
+from proxy.core.changes import ChangeTracker
+from proxy.core.model import Snapshot, stamp_changes
 from proxy.k8s import subset
 from proxy.k8s.decode import (
     _DECLINE,
@@ -357,14 +357,10 @@ class StateParser:
         """``snapshot``, carrying the changes since the last one returned, which it now is.
 
         Only a parse that succeeds gets here, so a refused one leaves its
-        changes to the next. "Everything" is the field's default already
-        (``EVERYTHING``, as ``parse_state`` returns it); anything else is set
-        in place, as the snapshot is no one else's yet: ``dataclasses.replace``
-        would index it all again.
+        changes to the next. The snapshot is no one else's yet, so the changes
+        are set in place (``stamp_changes``).
         """
-        changes = self._changes.take(since=self._published)
-        if changes != EVERYTHING:
-            object.__setattr__(snapshot, "changes", changes)
+        stamp_changes(snapshot, self._changes.take(since=self._published))
         self._published = snapshot.generation
         return snapshot
 

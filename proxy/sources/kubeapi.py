@@ -79,7 +79,7 @@ import yaml
 
 from proxy import metrics
 from proxy.core.changes import Changes, ChangeTracker
-from proxy.core.model import Snapshot
+from proxy.core.model import Snapshot, stamp_changes
 from proxy.k8s import (
     HEADLESS_LABEL,
     SERVICE_NAME_LABEL,
@@ -1025,25 +1025,17 @@ def _build(
     snapshot = parse_objects(documents, generation)
     if last is None:
         return snapshot, True
-    if changes.services is None:
-        changed = (
+    if changes.services is None:  # the snapshot says "everything" already
+        return snapshot, (
             snapshot.nodes != last.nodes
             or snapshot.services != last.services
             or snapshot.slices != last.slices
         )
-    else:
-        keys = frozenset(
-            key for key in changes.services
-            if snapshot.service(key) != last.service(key)
-            or snapshot.slices_of(key) != last.slices_of(key)
-        )
-        nodes = changes.nodes and snapshot.nodes != last.nodes
-        changes = Changes(since=changes.since, services=keys, nodes=nodes)
-        changed = nodes or bool(keys)
-    return Snapshot(
-        nodes=snapshot.nodes,
-        services=snapshot.services,
-        slices=snapshot.slices,
-        generation=generation,
-        changes=changes,
-    ), changed
+    keys = frozenset(
+        key for key in changes.services
+        if snapshot.service(key) != last.service(key)
+        or snapshot.slices_of(key) != last.slices_of(key)
+    )
+    nodes = changes.nodes and snapshot.nodes != last.nodes
+    stamp_changes(snapshot, Changes(since=changes.since, services=keys, nodes=nodes))
+    return snapshot, nodes or bool(keys)
