@@ -24,6 +24,7 @@ from proxy.core.changes import EVERYTHING, Changes
 TrafficPolicy = Literal["Cluster", "Local"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer", "ExternalName"]
 SessionAffinity = Literal["None", "ClientIP"]
+IPMode = Literal["VIP", "Proxy"]
 
 DEFAULT_AFFINITY_SECONDS = 10800
 """API-server default for sessionAffinityConfig.clientIP.timeoutSeconds."""
@@ -65,6 +66,20 @@ class ServicePort:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadBalancerIngress:
+    """One ``status.loadBalancer.ingress[]`` entry that has an IPv4 ``ip``.
+
+    ``ip_mode`` is KEP-1860's ``ipMode``: ``VIP`` (also when absent) means the
+    proxy may capture the address itself, ``Proxy`` that traffic must reach the
+    real load balancer. Hostname-only and IPv6 entries are not kept: kpx can
+    only intercept IPv4 addresses.
+    """
+
+    ip: str
+    ip_mode: IPMode = "VIP"
+
+
+@dataclass(frozen=True, slots=True)
 class Service:
     """A v1 Service with the API server's defaults already applied."""
 
@@ -82,6 +97,8 @@ class Service:
     labels: tuple[tuple[str, str], ...] = ()
     external_ips: tuple[str, ...] = ()
     publish_not_ready_addresses: bool = False
+    ingress: tuple[LoadBalancerIngress, ...] = ()
+    """A LoadBalancer's ``status.loadBalancer.ingress`` IPv4 entries, in order (else ())."""
     key: str = field(init=False, repr=False, compare=False)
     """``namespace/name``: how kube-proxy and kpx name a service in logs.
 

@@ -24,6 +24,10 @@ Theory of operation:
   ignored services (headless, ExternalName, the ``service-proxy-name`` and
   ``headless`` labels) and non-IPv4 slices. Their metadata is still checked,
   because names are what duplicates and slice links are judged by.
+- A Service's addresses (``spec.clusterIP``/``clusterIPs``, ``spec.externalIPs``,
+  ``status.loadBalancer.ingress[]``) are held to the API server's rules
+  (``_cluster_ip``, ``_external_ips``, ``_ingress``); IPv6 ones are valid and
+  dropped, since kpx proxies IPv4 only, as a single-stack IPv4 kube-proxy does.
 - Endpoint conditions resolve here, once, exactly as in EndpointSliceCache:
   nil ready and nil serving mean true, nil terminating means false.
 - Names are held to the API server's formats (``_NAME_RULES``): Service names
@@ -54,6 +58,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from ipaddress import IPv6Address
 from typing import Any, NamedTuple, cast
 
 from proxy.core.model import (
@@ -61,6 +66,8 @@ from proxy.core.model import (
     Endpoint,
     EndpointPort,
     EndpointSlice,
+    IPMode,
+    LoadBalancerIngress,
     Node,
     Service,
     ServicePort,
@@ -83,6 +90,8 @@ _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 _POLICIES = ("Cluster", "Local")
 _AFFINITIES = ("None", "ClientIP")
 _ADDRESS_TYPES = ("IPv4", "IPv6", "FQDN")
+_IP_MODES = ("VIP", "Proxy")
+"""``status.loadBalancer.ingress[].ipMode`` (KEP-1860); absent means VIP."""
 
 _API_VERSIONS = {"Node": "v1", "Service": "v1", "EndpointSlice": "discovery.k8s.io/v1"}
 """The kinds kpx reads, and the only apiVersion each is accepted under."""
@@ -99,6 +108,63 @@ _LIST_KINDS: dict[str, str | None] = {
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _IPV4 = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 """Dotted quad without leading zeros; a regex is ~5x cheaper than ipaddress."""
+_ipv4 = _IPV4.fullmatch
+"""Bound once: the quick judge calls it for every Service's clusterIP."""
+
+_SPECIAL_IPV4 = ("0.", "127.", "169.254.", "224.0.0.")
+"""Prefixes of the ranges ``_special_ip`` refuses for externalIPs (and then some:
+all of 0.0.0.0/8), for the quick judge, which only has to step aside for them."""
+
+
+def _ip_family(value: str) -> int:
+    """4 or 6 for a valid IP address, 0 for anything else.
+
+    The API server's strict form (``IsValidIP`` once KEP-4858 made it strict):
+    IPv4 as a dotted quad without leading zeros (``010.0.0.1`` is ambiguous),
+    IPv6 as ``ipaddress`` reads it, but with no zone (``%eth0``) and not
+    IPv4-mapped (``::ffff:10.0.0.1``, an IPv4 address in disguise).
+    """
+    if _IPV4.fullmatch(value):
+        return 4
+    if ":" not in value or "%" in value:
+        return 0
+    try:
+        address = IPv6Address(value)
+    except ValueError:
+        return 0
+    return 0 if address.ipv4_mapped is not None else 6
+
+
+def _special_ip(value: str, family: int) -> str | None:
+    """Why ``value`` (valid, of ``family``) may not be an external IP, or None.
+
+    The API server's ``ValidateNonSpecialIP`` for ``spec.externalIPs``, in its
+    words: these addresses mean this host or its link, never a service, and
+    capturing one (127.0.0.1:80, the 169.254.169.254 metadata server) would
+    break the node's own traffic.
+    """
+    if family == 4:
+        unspecified = value == "0.0.0.0"
+        loopback = value.startswith("127.")
+        link_local = value.startswith("169.254.")
+        link_multicast = value.startswith("224.0.0.")
+    else:
+        address = IPv6Address(value)
+        unspecified = address.is_unspecified
+        loopback = address.is_loopback
+        link_local = address.is_link_local
+        packed = address.packed
+        link_multicast = packed[0] == 0xFF and packed[1] & 0x0F == 0x02
+    if unspecified:
+        return "may not be unspecified"
+    if loopback:
+        return "may not be in the loopback range (127.0.0.0/8, ::1/128)"
+    if link_local:
+        return "may not be in the link-local range (169.254.0.0/16, fe80::/10)"
+    if link_multicast:
+        return "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)"
+    return None
+
 
 # Names and labels, as the API server validates them (k8s.io/apimachinery
 # pkg/util/validation). kube-proxy only ever sees objects that passed these
@@ -516,14 +582,160 @@ def _timestamp(fields: _Fields, value: object, path: str) -> float | None:
     return None
 
 
+# -- a Service's addresses, as the API server validates them ---------------------
+#
+# pkg/apis/core/validation: ValidateService, validateServiceClusterIPsRelatedFields,
+# ValidateNonSpecialIP and ValidateLoadBalancerStatus. Each malformed value is one
+# problem; an IPv6 value is valid and left out of the model (kpx is IPv4-only).
+
+
+def _headless(spec: dict[str, Any]) -> bool:
+    """``clusterIP: None``, or no clusterIP and ``clusterIPs: [None, ...]``.
+
+    The API server fills an empty clusterIP from ``clusterIPs[0]`` before it
+    validates, so either field alone says it; kube-proxy never proxies these.
+    """
+    cluster_ip = spec.get("clusterIP")
+    if cluster_ip == "None":
+        return True
+    if cluster_ip is None or cluster_ip == "":
+        cluster_ips = spec.get("clusterIPs")
+        return type(cluster_ips) is list and bool(cluster_ips) and cluster_ips[0] == "None"
+    return False
+
+
+def _cluster_ip(fields: _Fields, spec: dict[str, Any]) -> str | None:
+    """The service's IPv4 cluster IP, or None; each problem of clusterIP(s) recorded.
+
+    The rules (ValidateService, validateServiceClusterIPsRelatedFields):
+    ``clusterIP`` is an IP address, ``"None"`` (headless, which never gets
+    here) or empty/absent (none). ``clusterIPs``, when given, holds at most two
+    IP addresses, one per family, the first equal to ``clusterIP`` when that is
+    set (an empty clusterIP takes ``clusterIPs[0]``, as the API server's
+    normalization does); ``"None"`` only ever stands alone, as a headless one.
+
+    kpx serves the IPv4 one wherever it sits, as kube-proxy's IPv4 proxier
+    does (``GetClusterIPByFamily``); an IPv6 one is valid and ignored.
+    """
+    cluster_ip = fields.optional_string(spec, "clusterIP", "spec.") or ""
+    family = _ip_family(cluster_ip) if cluster_ip else 0
+    if cluster_ip and not family:
+        fields.fail("spec.clusterIP", f"{_quote(cluster_ip)} is not a valid IP address")
+    cluster_ips = fields.string_list(spec, "clusterIPs", "spec.")
+    if not cluster_ips:
+        return cluster_ip if family == 4 else None
+    if len(cluster_ips) > 2:
+        fields.fail(
+            "spec.clusterIPs",
+            f"{len(cluster_ips)} values, but at most 2 are allowed (one per IP family)",
+        )
+        return None
+    ipv4 = None
+    families: list[int] = []
+    for i, ip in enumerate(cluster_ips):
+        if type(ip) is not str:
+            continue  # Reported by ``string_list``.
+        path = f"spec.clusterIPs[{i}]"
+        if i == 0 and cluster_ip:
+            if ip != cluster_ip:
+                mismatch = f"{_quote(ip)} does not match spec.clusterIP {_quote(cluster_ip)}"
+                fields.fail(path, mismatch)
+                continue
+            ip_family = family  # Judged (and any problem reported) as spec.clusterIP.
+        elif ip == "None":
+            fields.fail(path, '"None" must be the first and only value')
+            continue
+        else:
+            ip_family = _ip_family(ip)
+            if not ip_family:
+                fields.fail(path, f"{_quote(ip)} is not a valid IP address")
+                continue
+            if ip_family in families:
+                fields.fail(
+                    path, f"{_quote(ip)} is a second IPv{ip_family} address: one per IP family"
+                )
+                continue
+        families.append(ip_family)
+        if ip_family == 4 and ipv4 is None:
+            ipv4 = ip
+    return ipv4
+
+
+def _external_ips(fields: _Fields, spec: dict[str, Any]) -> tuple[str, ...]:
+    """``spec.externalIPs``' IPv4 addresses; each must be a valid IP and not a special one.
+
+    The rules (ValidateService): every entry ``IsValidIP`` and passes
+    ``ValidateNonSpecialIP`` (``_special_ip``).
+    """
+    out: list[str] = []
+    for i, ip in enumerate(fields.string_list(spec, "externalIPs", "spec.")):
+        if type(ip) is not str:
+            continue  # Reported by ``string_list``.
+        family = _ip_family(ip)
+        special = _special_ip(ip, family) if family else "is not a valid IP address"
+        if special:
+            fields.fail(f"spec.externalIPs[{i}]", f"{_quote(ip)} {special}")
+        elif family == 4:
+            out.append(ip)
+    return tuple(out)
+
+
+def _ingress(fields: _Fields, doc: dict[str, Any]) -> tuple[LoadBalancerIngress, ...]:
+    """``status.loadBalancer.ingress``: the entries with an IPv4 ``ip``, and their ipMode.
+
+    The rules (ValidateLoadBalancerStatus): an entry has an ``ip``, a
+    ``hostname``, both or neither; ``ip`` is an IP address; ``hostname`` a
+    DNS-1123 subdomain that is not an IP address; ``ipMode`` is VIP or Proxy
+    (absent: VIP, the API server's default) and is forbidden without ``ip``.
+    A hostname-only entry is valid and ignored: kpx can only intercept an IP.
+
+    Judged whatever the type, as the API server does, but only a LoadBalancer
+    keeps them (``service``): the API server clears the status of a service
+    that stops being one, so on any other type they could only be stale.
+    """
+    status = fields.mapping(doc, "status", "")
+    balancer = fields.mapping(status, "loadBalancer", "status.")
+    out: list[LoadBalancerIngress] = []
+    for i, raw in enumerate(fields.items(balancer, "ingress", "status.loadBalancer.")):
+        path = f"status.loadBalancer.ingress[{i}]"
+        if type(raw) is not dict:
+            fields.wrong_type(path, "mapping", raw)
+            continue
+        prefix = path + "."
+        ip = fields.string(raw, "ip", prefix)
+        family = _ip_family(ip) if ip else 0
+        if ip and not family:
+            fields.fail(prefix + "ip", f"{_quote(ip)} is not a valid IP address")
+        hostname = fields.string(raw, "hostname", prefix)
+        if hostname:
+            if not _DNS1123_SUBDOMAIN_RULE.match(hostname):
+                problem = _DNS1123_SUBDOMAIN_RULE.problem(hostname, "hostname")
+                fields.fail(prefix + "hostname", problem)
+            elif _ip_family(hostname):
+                fields.fail(
+                    prefix + "hostname",
+                    f"{_quote(hostname)} is not a valid hostname: a DNS name, not an IP address",
+                )
+        mode = "VIP"
+        if raw.get("ipMode") is not None:
+            mode = fields.string(raw, "ipMode", prefix, "", choices=_IP_MODES)
+            raw_ip = raw.get("ip")
+            if mode and (raw_ip is None or (type(raw_ip) is str and not raw_ip)):
+                fields.fail(prefix + "ipMode", f"{_quote(mode)} may not be set without an ip")
+        if family == 4 and mode:
+            out.append(LoadBalancerIngress(ip, cast(IPMode, mode)))
+    return tuple(out)
+
+
 # -- the common case, quickly ---------------------------------------------------
 #
 # ``_quick_*`` accept only objects that the full judges below would accept
 # without a single problem, and build equal model objects and the same
 # claims for them, with plain lookups and no ``_Fields`` calls. Anything
 # else (any problem, a null where a default applies, an ignored service,
-# session affinity, a non-IPv4 slice) makes them return None, and the full
-# judge decides, so every message still comes from one place.
+# session affinity, a non-IPv4 slice; an IPv6 or special address, clusterIPs
+# other than ``[clusterIP]``, an ingress hostname) makes them return None, and
+# the full judge decides, so every message still comes from one place.
 
 
 def _quick_name(
@@ -560,6 +772,47 @@ def _quick_name(
     return namespace, name, labels
 
 
+def _plain_external_ip(ip: object) -> bool:
+    """An IPv4 address outside ``_SPECIAL_IPV4``, which ``_external_ips`` keeps as it is."""
+    return type(ip) is str and _IPV4.fullmatch(ip) is not None and not ip.startswith(_SPECIAL_IPV4)
+
+
+_NO_INGRESS: tuple[LoadBalancerIngress, ...] = ()
+_NO_BALANCER = {"loadBalancer": {}}
+"""The status kubectl prints for most services: equal to it, ``_quick_ingress`` is ()."""
+
+
+def _quick_ingress(status: object) -> tuple[LoadBalancerIngress, ...] | None:
+    """``_ingress`` for a status whose ingress entries are all a plain IPv4 ``ip`` and a
+    valid (or no) ``ipMode``, with no hostname; None for anything else."""
+    if status is None:
+        return _NO_INGRESS
+    if type(status) is not dict:
+        return None
+    balancer = status.get("loadBalancer")
+    if balancer is None:
+        return _NO_INGRESS
+    if type(balancer) is not dict:
+        return None
+    raw_ingress = balancer.get("ingress")
+    if raw_ingress is None:
+        return _NO_INGRESS
+    if type(raw_ingress) is not list:
+        return None
+    out: list[LoadBalancerIngress] = []
+    for raw in raw_ingress:
+        if type(raw) is not dict or "hostname" in raw:
+            return None
+        ip = raw.get("ip")
+        mode = raw.get("ipMode", "VIP")
+        if not (
+            type(ip) is str and _IPV4.fullmatch(ip) and type(mode) is str and mode in _IP_MODES
+        ):
+            return None
+        out.append(LoadBalancerIngress(ip, mode))
+    return tuple(out)
+
+
 def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
     """``service`` for a plain Service (see above): it and its claims, or None."""
     named = _quick_name(doc, _DNS1035_LABEL_RULE.match)
@@ -576,6 +829,7 @@ def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
     selector = get("selector", _NO_STRINGS)
     external_ips = get("externalIPs", _NO_ITEMS)
     cluster_ip = get("clusterIP")
+    cluster_ips = get("clusterIPs", _NO_ITEMS)
     publish = get("publishNotReadyAddresses", False)
     raw_ports = get("ports")
     if not (
@@ -593,8 +847,22 @@ def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
         and type(selector) is dict
         and _all_strings(selector)
         and type(external_ips) is list
-        and (not external_ips or all(type(ip) is str for ip in external_ips))
-        and (cluster_ip is None or (type(cluster_ip) is str and cluster_ip != "None"))
+        and (not external_ips or all(map(_plain_external_ip, external_ips)))
+        # An IPv4 clusterIP (or none), and clusterIPs that only repeat it.
+        and (
+            cluster_ip is None
+            or (type(cluster_ip) is str and (not cluster_ip or _ipv4(cluster_ip) is not None))
+        )
+        and type(cluster_ips) is list
+        and (
+            not cluster_ips
+            or (
+                len(cluster_ips) == 1
+                and type(cluster_ips[0]) is str
+                and cluster_ips[0] == cluster_ip
+                and cluster_ip
+            )
+        )
         and type(publish) is bool
         and type(raw_ports) is list
         and raw_ports
@@ -632,13 +900,21 @@ def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
         if node_port:
             claims.append(_Claim(node_port, protocol, label, f"spec.ports[{i}].nodePort"))
         ports.append(ServicePort(port_name, protocol, port, target, node_port))
-    # Positional arguments, in field order: a third cheaper than keywords for 14 fields.
+    status = doc.get("status")
+    ingress = _NO_INGRESS
+    if status is not None and status != _NO_BALANCER:
+        ingress = _quick_ingress(status)
+        if ingress is None:
+            return None
+        if svc_type != "LoadBalancer":
+            ingress = _NO_INGRESS  # Judged all the same, as ``service`` does.
+    # Positional arguments, in field order: a third cheaper than keywords for 15 fields.
     service = Service(
         namespace,
         name,
         svc_type,
         tuple(ports),
-        cluster_ip,
+        cluster_ip or None,
         etp,
         itp,
         hc_port,
@@ -648,6 +924,7 @@ def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
         tuple(labels.items()),
         tuple(external_ips),
         publish,
+        ingress,
     )
     if service.needs_health_check:
         claims.append(_Claim(hc_port, "TCP", label, "spec.healthCheckNodePort"))
@@ -963,7 +1240,7 @@ class _Judge:
             SERVICE_PROXY_NAME_LABEL in labels
             or HEADLESS_LABEL in labels
             or spec.get("type") == "ExternalName"
-            or spec.get("clusterIP") == "None"
+            or _headless(spec)
         ):
             # kube-proxy's informer never even sees these; neither does kpx.
             self.done("Service", key, fields.rel, early, fields.problems, None)
@@ -987,10 +1264,11 @@ class _Judge:
                 MAX_AFFINITY_SECONDS,
             )
         selector = fields.string_map(spec, "selector", "spec.")
-        external_ips = fields.string_list(spec, "externalIPs", "spec.")
-        cluster_ip = fields.optional_string(spec, "clusterIP", "spec.")
+        external_ips = _external_ips(fields, spec)
+        cluster_ip = _cluster_ip(fields, spec)
         publish = fields.boolean(spec, "publishNotReadyAddresses", "spec.", False)
 
+        ingress = _ingress(fields, doc)
         raw_ports = fields.items(spec, "ports", "spec.")
         if type(doc.get("spec")) is dict and spec.get("ports") in (None, []):
             fields.fail("spec.ports", "required")
@@ -1040,6 +1318,7 @@ class _Judge:
             labels=_pairs(labels),
             external_ips=external_ips,
             publish_not_ready_addresses=publish,
+            ingress=ingress if svc_type == "LoadBalancer" else (),
         )
         if service.needs_health_check:
             # The healthz sidecar listens on it over TCP, beside the NodePorts.
