@@ -195,8 +195,7 @@ class Proxier:
         log.log(logging.INFO if elapsed >= SLOW_SYNC else logging.DEBUG,
                 "generation %d applied in %.0f ms", result.generation, elapsed * 1000)
         metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(result.dropping)
-        # kpx serves no ClusterIPs, so internal policy never drops.
-        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(0)
+        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(result.dropping_internal)
         now = self._clock()
         for trigger in new_triggers:
             metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - trigger))

@@ -2,13 +2,18 @@
 
 Owns: the per-service-port decision table (``PortPlan``), rebuilt once per
 state change like kube-proxy's sync, and ``decide``, which applies it to one
-client. A decision is data: it carries a human-readable reason so the
-dataplane can log exactly why, and tests can assert on it.
+client. A plan serves one address kind of one service port: its NodePort on
+the node's addresses, or one VIP (its ClusterIP, an externalIP, or a
+LoadBalancer ingress IP with ``ipMode: VIP``). A decision is data: it
+carries a human-readable reason so the dataplane can log exactly why, and
+tests can assert on it.
 
 Never: touch sockets, clocks or logging. Time comes in as an argument and the
 only mutable thing a decision touches is the ``Balancer`` it is handed.
 
-The rules, in order (kube-proxy semantics section 1g, with the kpx decisions):
+The rules, in order (kube-proxy semantics section 1g, with the kpx decisions).
+
+External addresses (NodePorts, externalIPs, VIP-mode LB IPs) follow eTP:
 
 1. No usable endpoint anywhere -> ``Reject`` (the listener is closed, RST).
 2. Traffic from the node itself (one of its addresses, or 127.0.0.0/8), and
@@ -18,6 +23,21 @@ The rules, in order (kube-proxy semantics section 1g, with the kpx decisions):
    none here -> ``Drop`` (the SYN is silently discarded).
 4. eTP=Cluster -> Cluster endpoints, SNAT only when the endpoint is on
    another node (or always, with ``--masquerade-all``).
+
+A ClusterIP follows iTP, with no short-circuit for anyone:
+
+1. No usable endpoint anywhere -> ``Reject``.
+2. iTP=Local -> local endpoints only, for every client, node and pods
+   included (kube-proxy's e2e "should respect internalTrafficPolicy=Local
+   Pod and Node, to Pod (hostNetwork: true)"); none here -> ``Drop``.
+3. iTP=Cluster -> Cluster endpoints.
+4. SNAT (``ClusterIPSNAT``): a pod keeps its IP only on a hop to another
+   node, whose reply routes back through this node to the transparent
+   socket. An endpoint on this node would answer the pod straight over the
+   node's pod bridge, bypassing kpx, so that hop is SNATed, as is a pod
+   reaching itself (hairpin), the node's own traffic and any client outside
+   the cluster CIDRs (kube-proxy masquerades those ``IfNotLocal``);
+   ``--masquerade-all`` SNATs everything.
 """
 
 from __future__ import annotations
@@ -64,9 +84,13 @@ class Reject:
 Decision = Forward | Drop | Reject
 
 
+PlanKey = int | tuple[str, int]
+"""Where a plan is served: a nodePort (on the node's addresses), or ``(vip, port)``."""
+
+
 @dataclass(frozen=True, slots=True)
 class PortPlan:
-    """Everything the hot path needs for one NodePort, computed once per sync."""
+    """Everything the hot path needs for one service port on one address kind, once per sync."""
 
     service: Service
     port: ServicePort
@@ -75,19 +99,34 @@ class PortPlan:
     has_any: bool
     masquerade_all: bool = False
     remote_count: int = field(default=0)
+    vip: str | None = None
+    """The VIP this plan serves, or None for the NodePort plan."""
+    internal: bool = False
+    """A ClusterIP plan: iTP applies, and nobody short-circuits to Cluster."""
     # Read by every connection, or by every sync for every port: derived
     # from the Service once, when the plan is built.
     key: str = field(init=False)
     """``ns/name:port`` (or ``ns/name`` for an unnamed port), kube-proxy's svcPortName."""
     policy_local: bool = field(init=False)
+    """The policy this plan follows (iTP for a ClusterIP, else eTP) is Local."""
     affinity_seconds: float | None = field(init=False)
     """Seconds of ClientIP affinity; None without affinity."""
+    table_key: PlanKey = field(init=False)
+    """Where the plan sits in the decision table: the nodePort, or ``(vip, port)``."""
 
     def __post_init__(self) -> None:
         svc, name = self.service, self.port.name
         setattr_ = object.__setattr__
         setattr_(self, "key", f"{svc.key}:{name}" if name else svc.key)
-        setattr_(self, "policy_local", svc.external_policy_local)
+        setattr_(
+            self, "policy_local",
+            svc.internal_traffic_policy == "Local" if self.internal
+            else svc.external_policy_local,
+        )
+        setattr_(
+            self, "table_key",
+            self.port.node_port if self.vip is None else (self.vip, self.port.port),
+        )
         setattr_(
             self, "affinity_seconds",
             float(svc.affinity_timeout_seconds) if svc.session_affinity == "ClientIP" else None,
@@ -105,7 +144,12 @@ class PortPlan:
     @property
     def drop_external(self) -> bool:
         """True means external SYNs are dropped (eTP=Local, nothing here)."""
-        return self.has_any and self.policy_local and not self.local
+        return not self.internal and self.has_any and self.policy_local and not self.local
+
+    @property
+    def drop_all(self) -> bool:
+        """True means every SYN is dropped, the node's own too (iTP=Local, nothing here)."""
+        return self.internal and self.has_any and self.policy_local and not self.local
 
 
 def build_plan(
@@ -114,6 +158,8 @@ def build_plan(
     service: Service,
     port: ServicePort,
     masquerade_all: bool = False,
+    vip: str | None = None,
+    internal: bool = False,
 ) -> PortPlan:
     eps = service_port_endpoints(snapshot, service, port, node_name)
     cat = categorize_endpoints(eps, service)
@@ -125,15 +171,45 @@ def build_plan(
         has_any=cat.has_any,
         masquerade_all=masquerade_all,
         remote_count=sum(1 for e in cat.cluster if not e.is_local),
+        vip=vip,
+        internal=internal,
     )
 
 
-PROXIED_TYPES = ("NodePort", "LoadBalancer")
-"""Service types whose NodePorts kpx serves."""
+def service_vips(service: Service) -> tuple[tuple[str, bool], ...]:
+    """``(vip, internal)`` for every address kpx intercepts for ``service``.
+
+    Its ClusterIP (internal: iTP applies), its externalIPs, and, for a
+    LoadBalancer, each ingress IP whose ipMode is VIP: an ``ipMode: Proxy``
+    address is left alone, so in-cluster traffic to it reaches the real load
+    balancer (KEP-1860).
+    """
+    out: list[tuple[str, bool]] = []
+    if service.cluster_ip:
+        out.append((service.cluster_ip, True))
+    out += [(ip, False) for ip in service.external_ips]
+    if service.type == "LoadBalancer":
+        out += [(i.ip, False) for i in service.ingress if i.ip_mode == "VIP"]
+    # The API server keeps loopback and link-local addresses out of clusterIP
+    # and externalIPs, not out of a load balancer's status: an address there
+    # that would capture the node's own loopback or metadata traffic is never
+    # made local.
+    return tuple(v for v in dict.fromkeys(out) if _interceptable(v[0]))
+
+
+def _interceptable(ip: str) -> bool:
+    """Not 0/8, loopback, link-local or multicast (the model holds IPv4 strings only)."""
+    first, second, _ = ip.split(".", 2)
+    octet = int(first)
+    return not (octet in (0, 127) or 224 <= octet <= 239 or (octet == 169 and second == "254"))
+
+
+PROXIED_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+"""Service types kpx serves (parse has already dropped headless and ExternalName ones)."""
 
 
 def proxied_services(snapshot: Snapshot) -> Iterable[Service]:
-    """Services whose NodePorts kpx serves; parse has already dropped ignored ones."""
+    """Services whose addresses kpx serves; parse has already dropped ignored ones."""
     return (s for s in snapshot.services if s.type in PROXIED_TYPES)
 
 
@@ -162,31 +238,40 @@ class PlanCache:
     __slots__ = ("_generation", "_inputs", "_plans_of", "_table", "built", "reused")
 
     def __init__(self) -> None:
-        self._inputs: tuple[str, bool] | None = None
+        self._inputs: tuple[str, bool, bool] | None = None
         self._generation: int | None = None
         self._plans_of: dict[str, tuple[PortPlan, ...]] = {}
         """Service key -> its plans, for every proxied service of the last build."""
-        self._table: dict[int, PortPlan] = {}
+        self._table: dict[PlanKey, PortPlan] = {}
         self.reused = 0
         self.built = 0
 
     def changed_since_last(
-        self, snapshot: Snapshot, node_name: str, masquerade_all: bool
+        self, snapshot: Snapshot, node_name: str, masquerade_all: bool, vips: bool = False
     ) -> frozenset[str] | None:
         """The service keys to rebuild for ``snapshot``, or None to rebuild all."""
-        if self._inputs != (node_name, masquerade_all):
+        if self._inputs != (node_name, masquerade_all, vips):
             return None
         return snapshot.changes.relative_to(self._generation)
 
 
 def _service_plans(
-    snapshot: Snapshot, node_name: str, service: Service, masquerade_all: bool
+    snapshot: Snapshot, node_name: str, service: Service, masquerade_all: bool, vips: bool
 ) -> tuple[PortPlan, ...]:
-    return tuple(
+    """Every TCP plan of ``service``: its NodePorts, then (``vips``) each port on each VIP."""
+    ports = [p for p in service.ports if p.protocol == "TCP"]
+    plans = [
         build_plan(snapshot, node_name, service, port, masquerade_all)
-        for port in service.ports
-        if port.node_port and port.protocol == "TCP"
-    )
+        for port in ports
+        if port.node_port
+    ]
+    if vips:
+        plans += [
+            build_plan(snapshot, node_name, service, port, masquerade_all, vip, internal)
+            for vip, internal in service_vips(service)
+            for port in ports
+        ]
+    return tuple(plans)
 
 
 def build_plans(
@@ -194,7 +279,8 @@ def build_plans(
     node_name: str,
     masquerade_all: bool = False,
     cache: PlanCache | None = None,
-) -> dict[int, PortPlan]:
+    vips: bool = False,
+) -> dict[PlanKey, PortPlan]:
     """The whole node's decision table, keyed by nodePort (TCP only), in service order.
 
     With a ``cache``, only the services ``snapshot.changes`` names are
@@ -202,15 +288,15 @@ def build_plans(
     same order, either way.
     """
     changed = None if cache is None else cache.changed_since_last(
-        snapshot, node_name, masquerade_all
+        snapshot, node_name, masquerade_all, vips
     )
     if changed is None:
         services = list(proxied_services(snapshot))
-        every = [_service_plans(snapshot, node_name, svc, masquerade_all) for svc in services]
+        every = [_service_plans(snapshot, node_name, svc, masquerade_all, vips) for svc in services]
         plans_of = dict(zip([svc.key for svc in services], every, strict=True))
         # From the list, not ``plans_of``: a hand-made snapshot may hold two
         # services under one key, and both serve.
-        table = {plan.port.node_port: plan for plans in every for plan in plans}
+        table = {plan.table_key: plan for plans in every for plan in plans}
         built = len(every)
     else:
         assert cache is not None
@@ -221,24 +307,25 @@ def build_plans(
             service = snapshot.service(key)
             plans: tuple[PortPlan, ...] = ()
             if service is not None and service.type in PROXIED_TYPES:
-                plans_of[key] = plans = _service_plans(snapshot, node_name, service, masquerade_all)
+                plans = _service_plans(snapshot, node_name, service, masquerade_all, vips)
+                plans_of[key] = plans
                 built += 1
-            if [p.port.node_port for p in old] != [p.port.node_port for p in plans]:
+            if [p.table_key for p in old] != [p.table_key for p in plans]:
                 moved = True
             elif not moved:
                 for plan in plans:  # same ports: each keeps its place in the table
-                    table[plan.port.node_port] = plan
+                    table[plan.table_key] = plan
         if moved:
             # A port came, went or passed between services: one pass in
             # service order, every unchanged plan reused as it is.
             table = {
-                plan.port.node_port: plan
+                plan.table_key: plan
                 for svc in proxied_services(snapshot)
                 for plan in plans_of[svc.key]
             }
     if cache is None:
         return table
-    cache._inputs = (node_name, masquerade_all)
+    cache._inputs = (node_name, masquerade_all, vips)
     cache._generation = snapshot.generation
     cache._plans_of, cache._table = plans_of, table
     cache.built, cache.reused = built, len(plans_of) - built
@@ -269,7 +356,7 @@ def decide(
     exclude: Collection[tuple[str, int]] = (),
     cluster_cidrs: Collection[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
 ) -> Decision:
-    """Decide one new connection from ``client_ip`` to ``plan``'s NodePort.
+    """Decide one new connection from ``client_ip`` to ``plan``'s address.
 
     ``exclude`` lists endpoints that already failed for this connection, so a
     retry picks another one; ``balancer`` holds round-robin and ClientIP
@@ -278,8 +365,11 @@ def decide(
     if not plan.has_any:
         return Reject(f"{plan.key} has no endpoints")
 
-    node_source = is_node_source(client_ip, local_addresses)
+    # The node reaching one of its own VIPs may show the VIP as its source.
+    node_source = is_node_source(client_ip, local_addresses) or client_ip == plan.vip
     pod_source = not node_source and _in_any(client_ip, cluster_cidrs)
+    if plan.internal:
+        return _decide_internal(plan, client_ip, node_source, pod_source, balancer, now, exclude)
     if plan.policy_local and not node_source and not pod_source:
         candidates = plan.local
         if not candidates:
@@ -305,6 +395,36 @@ def decide(
     # --masquerade-all restores "always" for eTP=Cluster, never for eTP=Local
     # external clients, whose source IP is the point of the policy.
     snat = node_source or (plan.masquerade_all and not plan.policy_local) or not ep.is_local
+    return Forward(ep, snat, why)
+
+
+def _decide_internal(
+    plan: PortPlan,
+    client_ip: str,
+    node_source: bool,
+    pod_source: bool,
+    balancer: Balancer,
+    now: float,
+    exclude: Collection[tuple[str, int]],
+) -> Decision:
+    """A ClusterIP: iTP for every client, then ``ClusterIPSNAT`` (module docstring)."""
+    if plan.policy_local:
+        candidates = plan.local
+        if not candidates:
+            return Drop(
+                f"{plan.key} iTP=Local has no local endpoints ({plan.remote_count} elsewhere)"
+            )
+        why = "iTP=Local"
+    else:
+        candidates = plan.cluster
+        why = "iTP=Cluster"
+    ep = balancer.pick(candidates, client_ip, now, plan.affinity_seconds, exclude)
+    if ep is None:
+        return Reject(f"{plan.key}: every eligible endpoint failed for {client_ip}")
+    snat = (
+        plan.masquerade_all or node_source or not pod_source or ep.is_local
+        or ep.ip == client_ip
+    )
     return Forward(ep, snat, why)
 
 

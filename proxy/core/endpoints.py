@@ -115,10 +115,11 @@ def categorize_endpoints(
 ) -> Categorized:
     """Split endpoints into the Cluster and Local sets, as kube-proxy does.
 
-    kpx only proxies NodePorts, so every service it categorizes is externally
-    accessible: it always uses Cluster endpoints (node-originated traffic
-    short-circuits to them even under eTP=Local) and uses Local endpoints iff
-    eTP=Local.
+    Cluster endpoints are always found: eTP=Cluster and iTP=Cluster use them,
+    and node- and pod-originated traffic to an external address (NodePort,
+    externalIP, LB IP) short-circuits to them even under eTP=Local. Local
+    endpoints are found iff some policy of the service is Local (eTP for its
+    external addresses, iTP for its ClusterIP).
     """
     eps = tuple(endpoints)
     cluster = _filter(eps, lambda e: e.ready)
@@ -126,7 +127,7 @@ def categorize_endpoints(
         # No ready endpoint anywhere: only then may terminating ones serve.
         cluster = _filter(eps, _is_serving_terminating)
     has_any = bool(cluster)
-    if not service.external_policy_local:
+    if not (service.external_policy_local or service.internal_traffic_policy == "Local"):
         return Categorized(cluster=cluster, local=(), has_any=has_any)
 
     local = _filter(eps, lambda e: e.is_local and e.ready)

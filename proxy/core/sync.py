@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from proxy.core.addresses import Network, nodeport_addresses
-from proxy.core.decision import PlanCache, PortPlan, build_plans
+from proxy.core.decision import PlanCache, PlanKey, PortPlan, build_plans
 from proxy.core.endpoints import local_ready_counts
 from proxy.core.model import Snapshot
 
@@ -36,6 +36,10 @@ class SyncConfig:
     """``--nodeport-addresses``; empty: every local address."""
     bind_localhost: bool = True
     """Whether NodePorts also listen on 127.0.0.1 (iptables mode's ``route_localnet``)."""
+    vips: bool = False
+    """Whether service VIPs (ClusterIPs, externalIPs, VIP-mode LB IPs) get plans.
+
+    Off until the userspace dataplane serves them (issue 11, in progress)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -43,7 +47,7 @@ class SyncResult:
     """Everything one snapshot means for this node, for every consumer of the sync."""
 
     generation: int
-    plans: dict[int, PortPlan]
+    plans: dict[PlanKey, PortPlan]
     """The decision table by nodePort (TCP). Unchanged services keep their
     PortPlan objects across syncs (``PlanCache``)."""
     node_known: bool
@@ -54,6 +58,8 @@ class SyncResult:
     """The Node exists and is neither being deleted nor marked for removal."""
     listen_hosts: tuple[str, ...]
     """Where the dataplane's NodePort listeners go (``0.0.0.0``: every local address)."""
+    vips: frozenset[str]
+    """Every VIP a plan serves: what the node must treat as a local address."""
     health_hosts: tuple[str, ...]
     """Where healthCheckNodePorts listen: the same rule, loopback always included."""
     health_check_ports: Mapping[str, int]
@@ -61,7 +67,9 @@ class SyncResult:
     local_ready: Mapping[str, int]
     """``ns/name`` -> unique local ready endpoint IPs, for those services."""
     dropping: int
-    """Plans whose external traffic is dropped (eTP=Local, no local endpoint)."""
+    """Service ports whose external traffic is dropped (eTP=Local, no local endpoint)."""
+    dropping_internal: int
+    """Service ports whose ClusterIP traffic is dropped (iTP=Local, no local endpoint)."""
     trigger_times: Mapping[tuple[str, str], float]
     """Every slice's ``last-change-trigger-time``, by (namespace, name)."""
 
@@ -79,7 +87,9 @@ def compute_sync(
     """What ``snapshot`` means for ``config.node_name``; ``cache`` keeps unchanged plans."""
     node = snapshot.node(config.node_name)
     node_ips = () if node is None else tuple(ip for ip in node.ips if _is_ipv4(ip))
-    plans = build_plans(snapshot, config.node_name, config.masquerade_all, cache=cache)
+    plans = build_plans(
+        snapshot, config.node_name, config.masquerade_all, cache=cache, vips=config.vips
+    )
     listen_hosts = nodeport_addresses(node_ips, config.nodeport_cidrs, config.bind_localhost)
     health_hosts = (
         listen_hosts if config.bind_localhost
@@ -92,12 +102,16 @@ def compute_sync(
         node_ips=node_ips,
         node_eligible=node is not None and node.eligible,
         listen_hosts=listen_hosts,
+        vips=frozenset(plan.vip for plan in plans.values() if plan.vip is not None),
         health_hosts=health_hosts,
         health_check_ports={
             s.key: s.health_check_node_port for s in snapshot.services if s.needs_health_check
         },
         local_ready=local_ready_counts(snapshot, config.node_name),
-        dropping=sum(1 for plan in plans.values() if plan.drop_external),
+        # Per service port, as kube-proxy counts: its NodePort and its
+        # external VIPs drop together.
+        dropping=len({plan.key for plan in plans.values() if plan.drop_external}),
+        dropping_internal=len({plan.key for plan in plans.values() if plan.drop_all}),
         trigger_times={
             (sl.namespace, sl.name): sl.trigger_time
             for sl in snapshot.slices

@@ -7,11 +7,13 @@ source's worker thread giving exactly what the loop would compute.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from healthz.proxy_health import ProxyHealth
 from healthz.service_health import ServiceHealthServer
-from proxy.core.sync import SyncResult
+from proxy.core.sync import SyncConfig, SyncResult
 from proxy.proxier import Proxier
 from tests.support.health import FakeClock, ep, eps_slice, free_port, lb_service, snap
 from tests.support.wiring import sample, sync_config
@@ -171,3 +173,19 @@ async def test_health_checks_prepared_or_not_serve_the_same_counts() -> None:
             assert px._prepared.peek(prepare_with or state) is None
         finally:
             await server.stop()
+
+
+def test_no_local_endpoints_gauge_counts_clusterips_that_drop_for_itp_local() -> None:
+    """iTP=Local with endpoints only elsewhere: its ClusterIP drops, counted as internal."""
+    svc = dataclasses.replace(
+        lb_service("db", node_port=30005, policy="Cluster"),
+        cluster_ip="10.96.0.10", internal_traffic_policy="Local",
+    )
+    state = snap([svc], [eps_slice(svc, [ep("10.1.0.2", "node-b")])])
+    Proxier(SyncConfig("node-a", vips=True), clock=FakeClock(T0)).sync(state)
+    assert sample(DROPPING, traffic_policy="internal") == 1
+    assert sample(DROPPING, traffic_policy="external") == 0
+    Proxier(SyncConfig("node-a", vips=True), clock=FakeClock(T0)).sync(
+        snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])], generation=2)
+    )
+    assert sample(DROPPING, traffic_policy="internal") == 0
