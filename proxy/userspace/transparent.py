@@ -51,6 +51,7 @@ from typing import NamedTuple, TypeVar, cast
 from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.lifecycle.ownership import BASE_NAME, live_pids, routing_lock, routing_lock_async
+from proxy.util import spawn
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,10 @@ Command = tuple[list[str], str | None]
 Steps = Generator[Command, _Result, T]
 """A routing procedure written once, sans I/O: it yields the commands it needs
 run and is sent their results. ``_drive`` runs them with ``subprocess`` (start,
-exit, tests); ``_drive_async`` with the loop's own subprocesses, which on uvloop
-start no thread (the guard's check, every sync period: see
-``proxy.sources.statefile.INLINE_MAX_BYTES`` for why a thread costs every connection)."""
+exit, tests); ``_drive_async`` on the running loop with ``proxy.util.spawn``:
+no thread (the guard's check, every sync period: see
+``proxy.sources.statefile.INLINE_MAX_BYTES`` for why a thread costs every
+connection) and no ``fork`` of a big process while the loop waits."""
 
 
 def _run(argv: list[str], stdin: str | None = None) -> _Result:
@@ -131,21 +133,8 @@ def _run(argv: list[str], stdin: str | None = None) -> _Result:
 
 
 async def _run_async(argv: list[str], stdin: str | None = None) -> _Result:
-    pipe = asyncio.subprocess.PIPE
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=pipe if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=pipe, stderr=pipe,
-    )
-    try:
-        out, err = await asyncio.wait_for(
-            proc.communicate(None if stdin is None else stdin.encode()), _TIMEOUT
-        )
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise subprocess.TimeoutExpired(argv, _TIMEOUT) from None
-    return _Result(proc.returncode or 0, out.decode(errors="replace"),
-                   err.decode(errors="replace"))
+    res = await spawn.run(argv, stdin, _TIMEOUT)
+    return _Result(res.returncode, res.stdout, res.stderr)
 
 
 def _drive(steps: Steps[T]) -> T:
