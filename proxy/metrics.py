@@ -120,3 +120,19 @@ RETURN_PATH_REPAIR_FAILURES = Counter(
     "Sync-period checks that could not restore the return path (health fails meanwhile)",
     registry=REGISTRY,
 )
+SERVICE_VIPS = Gauge(
+    "kubeproxy_kpx_service_vips",
+    "Service VIPs (clusterIPs, externalIPs, VIP-mode LB IPs) local to the node, last put in force",
+    registry=REGISTRY,
+)
+SERVICE_VIP_PORTS = Gauge(
+    "kubeproxy_kpx_service_vip_ports",
+    "VIP:port pairs the node's nft table steers to kpx, as last put in force",
+    registry=REGISTRY,
+)
+VIP_REPAIRS = Counter(
+    "kubeproxy_kpx_vip_repairs",
+    "Service VIP parts (route, rules, arp) found missing or changed outside kpx and restored",
+    ["part"],
+    registry=REGISTRY,
+)

@@ -61,6 +61,7 @@ from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateFileSource
 from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
 from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
+from proxy.userspace.vips import LocalVIPs, VIPGuard
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ def sync_config(args: argparse.Namespace) -> SyncConfig:
         node_name=args.hostname_override,
         masquerade_all=getattr(args, "masquerade_all", False),
         nodeport_cidrs=tuple(args.nodeport_addresses or ()),
+        vips=True,
     )
 
 
@@ -237,6 +239,9 @@ async def serve(args: argparse.Namespace) -> int:
     # A successor holds the listening sockets of the kpx node it takes over
     # from; its first sync adopts them instead of binding new ones.
     claim = ownership.claim if ownership is not None else None
+    # ClusterIPs, externalIPs and VIP-mode LB IPs become local addresses of
+    # the node (proxy.userspace.vips), as IPVS mode does with kube-ipvs0.
+    local_vips = LocalVIPs()
     dataplane = Dataplane(
         loop=loop,
         transparent=not args.no_transparent,
@@ -248,6 +253,8 @@ async def serve(args: argparse.Namespace) -> int:
         tcp_timeout_established=args.conntrack_tcp_timeout_established,
         tcp_timeout_close_wait=args.conntrack_tcp_timeout_close_wait,
         inherited=claim.take_listeners() if claim is not None else None,
+        local_vips=local_vips,
+        vip_port=getattr(args, "vip_port", 0),
     )
     sidecar = None
     if not args.no_healthz and worker_index == 0:
@@ -266,6 +273,11 @@ async def serve(args: argparse.Namespace) -> int:
     if ownership is not None:
         ownership.attach(loop)  # a successor attaches once it owns the name
     guard: asyncio.Task[None] | None = None
+    vip_guard: asyncio.Task[None] | None = None
+    if worker_index == 0:
+        vip_guard = asyncio.create_task(
+            VIPGuard(local_vips, hub.health, args.sync_period).run(), name="vip-guard"
+        )
     if dataplane.transparent_active and worker_index == 0:
         guard = asyncio.create_task(
             ReturnPathGuard(TransparentRouting(), hub.health, args.sync_period).run(),
@@ -316,6 +328,8 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.gather(takeover, return_exceptions=True)
     if guard is not None:
         guard.cancel()  # only the owner repairs; a successor takes that over
+    if vip_guard is not None:
+        vip_guard.cancel()
     source.stop()
 
     successor = None

@@ -7,7 +7,11 @@ worker 0 runs the sync-period guard that restores it, next to the health it
 reports to). The namespace claim (``proxy.lifecycle.ownership``) is taken by
 ``kpx node`` before this runs: the workers inherit it, a second instance
 fails before it could join their SO_REUSEPORT group, and SIGTERM hands the
-namespace over once the workers' listeners are closed. Unlike one process,
+namespace over once the workers' listeners are closed. The service VIPs'
+ARP settings are set here too (``LocalVIPs.install``), their originals held
+until every worker is gone, and the VIP listener's port reserved, so every
+worker binds the same one into its reuseport group and the nft table they
+each write steers to all of them. Unlike one process,
 N workers pass no listening sockets on (each worker's sockets belong to its
 reuseport group; a successor's would have to join it): a restart refuses
 connections from the workers' close until the new instance listens, and a
@@ -29,11 +33,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 
 from proxy.lifecycle.ownership import Ownership
 from proxy.userspace.transparent import TransparentRouting
+from proxy.userspace.vips import LISTEN_ADDRESS, LocalVIPs
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,17 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
         if not routing.install():
             args.no_transparent = True
             routing = None
+    local_vips = LocalVIPs()
+    try:
+        local_vips.install()
+    except (OSError, RuntimeError) as exc:
+        log.warning("service VIPs: cannot set the ARP settings for the workers: %s", exc)
+    # Bound, never listening: no connection lands on it, and the port stays
+    # free for the workers' reuseport group only.
+    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserved.bind((LISTEN_ADDRESS, 0))
+    args.vip_port = reserved.getsockname()[1]
     children: dict[int, int] = {}
     stopping = False
 
@@ -109,6 +126,11 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
         for pid in list(children):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        reserved.close()
+        try:
+            local_vips.remove_all()
+        except (OSError, RuntimeError) as exc:
+            log.error("service VIPs: cannot remove them: %s", exc)
         if routing is not None:
             routing.remove()
     return 0

@@ -54,7 +54,7 @@ from typing import NamedTuple
 from proxy import metrics
 from proxy.core.addresses import LOCALHOST, Network
 from proxy.core.balancer import Balancer
-from proxy.core.decision import PortPlan
+from proxy.core.decision import PlanKey, PortPlan
 from proxy.core.sync import SyncResult
 from proxy.userspace import synfilter
 from proxy.userspace.forwarder import (
@@ -65,7 +65,15 @@ from proxy.userspace.forwarder import (
     PortState,
 )
 from proxy.userspace.listener import AcceptSet, Listener
+from proxy.userspace.sklookup import SkLookup
 from proxy.userspace.transparent import RoutingConfig, TransparentRouting, transparent_capable
+from proxy.userspace.vips import (
+    LISTEN_ADDRESS,
+    Interception,
+    LocalVIPs,
+    VIPPort,
+    VIPTarget,
+)
 from proxy.util.prepared import Prepared
 
 log = logging.getLogger(__name__)
@@ -77,14 +85,52 @@ RECONCILE_BATCH = 128
 Small, because a slice delays every step of what waits behind it: an HTTP
 probe of /healthz takes five loop iterations, each one slice late."""
 ListenerKey = tuple[str, int]
+Wanted = tuple[PlanKey, str]
+"""A wanted listener's plan key and SYN filter: ``""`` or ``"external"``."""
+
+
+class VIPSets(NamedTuple):
+    """What the VIP plans ask of the node's nft table (``vips.Interception`` but its port)."""
+
+    served: frozenset[VIPPort]
+    drop_all: frozenset[VIPPort]
+    drop_external: frozenset[VIPPort]
+    affinity: bool
+    """Some served VIP port has ClientIP affinity: ``--workers`` steer by client IP."""
+
+
+def vip_sets(plans: Mapping[PlanKey, PortPlan]) -> VIPSets:
+    """Sort the VIP plans into served, dropped and (by leaving them out) rejected ports (pure).
+
+    No endpoint anywhere (``plan.listen`` False): in no set, so the table
+    rejects it. A ClusterIP with iTP=Local and nothing here: ``drop_all``. An
+    external VIP with eTP=Local and nothing here: ``drop_external`` *and*
+    ``served``, since pods and the node still get Cluster semantics.
+    """
+    served: set[VIPPort] = set()
+    drop_all: set[VIPPort] = set()
+    drop_external: set[VIPPort] = set()
+    affinity = False
+    for plan in plans.values():
+        if plan.vip is None or not plan.listen:
+            continue
+        key = (plan.vip, plan.port.port)
+        if plan.drop_all:
+            drop_all.add(key)
+            continue
+        if plan.drop_external:
+            drop_external.add(key)
+        served.add(key)
+        affinity = affinity or bool(plan.affinity_seconds)
+    return VIPSets(frozenset(served), frozenset(drop_all), frozenset(drop_external), affinity)
 
 
 class _PortTable(NamedTuple):
     """A forwarder table for one set of plans (``Dataplane._port_table``)."""
 
-    before: dict[int, PortState]
+    before: dict[PlanKey, PortState]
     """The table in force it was made from."""
-    ports: dict[int, PortState]
+    ports: dict[PlanKey, PortState]
     balancers: dict[str, Balancer]
     """Balancers of service ports that had none, to keep from now on."""
     metrics: dict[str, PortMetrics]
@@ -125,8 +171,21 @@ class Dataplane:
         tcp_timeout_established: float = TCP_TIMEOUT_ESTABLISHED,
         tcp_timeout_close_wait: float = TCP_TIMEOUT_CLOSE_WAIT,
         inherited: Mapping[ListenerKey, socket.socket] | None = None,
+        local_vips: LocalVIPs | None = None,
+        vip_port: int = 0,
     ) -> None:
         self.loop = loop
+        self.local_vips = local_vips
+        """Makes each sync's VIPs local and steers their ports here (None: VIPs not served)."""
+        self.vip_port = vip_port
+        """The VIP listener's port on ``LISTEN_ADDRESS`` (0: the kernel picks; ``--workers``
+        share one the supervisor reserved)."""
+        self._vip_listener: Listener | None = None
+        self._vips_wanted: VIPTarget | None = None
+        self._vips_applied: VIPTarget | None = None
+        self._vips_generation = -1
+        """The generation whose apply last changed what ``_vips_wanted`` holds."""
+        self._vips_task: asyncio.Task[None] | None = None
         self.reuse_port = reuse_port
         self.backlog = backlog
         self.retry_interval = retry_interval
@@ -159,15 +218,16 @@ class Dataplane:
 
         self._balancers: dict[str, Balancer] = {}
         self._metrics: dict[str, PortMetrics] = {}
-        self._plans: dict[int, PortPlan] = {}
-        self._prepared: Prepared[tuple[dict[ListenerKey, bool], _PortTable]] = Prepared()
+        self._plans: dict[PlanKey, PortPlan] = {}
+        self._prepared: Prepared[tuple[dict[ListenerKey, Wanted], _PortTable,
+                                       tuple[VIPSets, VIPTarget] | None]] = Prepared()
         """What ``prepare`` built for one sync: its wanted listeners and port table."""
         self._reconciling: Iterator[None] | None = None
         self._reconcile_handle: asyncio.Handle | None = None
         self._reconcile_started = 0.0
         self._node_ips: tuple[str, ...] = ()
         self._program: list[synfilter.Instruction] | None = synfilter.syn_drop_program(())
-        self._desired: dict[ListenerKey, bool] = {}
+        self._desired: dict[ListenerKey, Wanted] = {}
         self._listeners: dict[ListenerKey, Listener] = {}
         self._inherited: dict[ListenerKey, socket.socket] = dict(inherited or {})
         """Listening sockets passed on by the kpx node this one took over from
@@ -182,6 +242,16 @@ class Dataplane:
         self._accepting = True
         self._closed = False
         self.generation = -1
+        self._sk: SkLookup | None = None
+        """The sk_lookup program that hands VIP connections to the VIP listener."""
+        if local_vips is not None:
+            try:
+                self._sk = SkLookup()
+            except OSError as exc:
+                log.error("service VIPs cannot be steered to kpx (%s); every VIP port is"
+                          " refused", exc)
+            # Now, not at the first sync: ``prepare`` then knows what can be served.
+            self._open_vip_listener()
 
     # -- public API --------------------------------------------------------------
 
@@ -196,7 +266,7 @@ class Dataplane:
     def active_connections(self) -> int:
         return len(self.forwarder.active)
 
-    def plans(self) -> dict[int, PortPlan]:
+    def plans(self) -> dict[PlanKey, PortPlan]:
         return dict(self._plans)
 
     def listeners(self) -> list[tuple[str, int, str]]:
@@ -209,6 +279,8 @@ class Dataplane:
         """
         out = [(a, p, lis.state) for (a, p), lis in self._listeners.items()]
         out += [(a, p, f"error: {why}") for (a, p), why in self._failed.items()]
+        if self._vip_listener is not None:
+            out.append((LISTEN_ADDRESS, self._vip_listener.port, self._vip_listener.state))
         return sorted(out)
 
     def listening_sockets(self) -> list[tuple[ListenerKey, socket.socket]]:
@@ -217,37 +289,55 @@ class Dataplane:
         The listeners keep accepting on them; ``stop_accepting`` closes only
         this process's copies.
         """
-        return [(key, lis.sock) for key, lis in self._listeners.items() if lis.sock is not None]
+        out = [(key, lis.sock) for key, lis in self._listeners.items() if lis.sock is not None]
+        vl = self._vip_listener
+        if vl is not None and vl.sock is not None:
+            out.append(((LISTEN_ADDRESS, vl.port), vl.sock))
+        return out
 
     def prepare(self, sync: SyncResult) -> None:
         """Build what ``apply(sync)`` needs, now, in the caller's thread (a hub preparer's).
 
         Pure work that ``apply`` would otherwise do on the loop: the wanted
-        listeners, and the forwarder's port table (``_port_table``).
+        listeners, the forwarder's port table (``_port_table``), and the VIPs
+        validated with their nft table rendered (``VIPTarget``: 50,000 VIPs
+        would hold the loop for about 100 ms).
         """
         if self._closed:
             return
-        self._prepared.put(
-            sync, (self._desired_for(sync.plans, sync.listen_hosts), self._port_table(sync.plans))
-        )
+        vips = None
+        if self.local_vips is not None:
+            sets = vip_sets(sync.plans)
+            try:
+                vips = (sets, self._vip_target(sync.vips, sets))
+            except ValueError:
+                vips = None  # apply says why, on the loop
+        self._prepared.put(sync, (
+            self._desired_for(sync.plans, sync.listen_hosts), self._port_table(sync.plans), vips,
+        ))
 
     @staticmethod
     def _desired_for(
-        plans: dict[int, PortPlan], hosts: Iterable[str]
-    ) -> dict[ListenerKey, bool]:
-        """Which listeners ``plans`` want, and whether each drops external SYNs (pure).
+        plans: dict[PlanKey, PortPlan], hosts: Iterable[str]
+    ) -> dict[ListenerKey, Wanted]:
+        """Which listeners ``plans`` want: each one's plan key and SYN filter (pure).
 
-        The filter goes on every dropping listener but a 127.0.0.1 one: the
-        wildcard one included, since the program itself lets the node's
-        addresses and 127.0.0.0/8 through.
+        A NodePort plan listens on every host; VIP plans share the one VIP
+        listener (``_sync_vips``). The filter is ``"external"`` (drop SYNs but
+        the node's and pods') on every dropping listener but a 127.0.0.1 one:
+        the wildcard one included, since the program itself lets the node's
+        addresses and 127.0.0.0/8 through; else ``""``.
         """
         hosts = tuple(hosts)
-        return {
-            (a, port): plan.drop_external and a != LOCALHOST
-            for port, plan in plans.items()
-            if plan.listen
-            for a in hosts
-        }
+        desired: dict[ListenerKey, Wanted] = {}
+        for key, plan in plans.items():
+            if not plan.listen or plan.vip is not None:
+                continue
+            for a in hosts:
+                desired[(a, key)] = (  # type: ignore[index]
+                    key, "external" if plan.drop_external and a != LOCALHOST else ""
+                )
+        return desired
 
     def reconciling(self) -> bool:
         """Whether listener reconciliation is still under way (a big sync, in slices)."""
@@ -259,7 +349,7 @@ class Dataplane:
             return
         self.generation = sync.generation
         prepared = self._prepared.take(sync)
-        desired, table = prepared if prepared is not None else (None, None)
+        desired, table, vips = prepared if prepared is not None else (None, None, None)
         self._swap_plans(sync.plans, table)
 
         node_ips = sync.node_ips
@@ -277,7 +367,135 @@ class Dataplane:
         self._desired = (
             desired if desired is not None else self._desired_for(sync.plans, sync.listen_hosts)
         )
+        if self.local_vips is not None:
+            if vips is None:
+                sets = vip_sets(sync.plans)
+                try:
+                    vips = (sets, self._vip_target(sync.vips, sets))
+                except ValueError as exc:
+                    log.error("service VIPs of generation %d not put in force: %s; the last"
+                              " ones stay", sync.generation, exc)
+            if vips is not None:
+                self._sync_vips(*vips)
         self._reconcile()
+
+    # -- service VIPs ------------------------------------------------------------
+
+    def _steerable(self, sets: VIPSets) -> frozenset[VIPPort]:
+        """What can be served now: nothing without the VIP listener or the program."""
+        ok = self._vip_listener is not None and self._sk is not None
+        return sets.served if ok else frozenset()
+
+    def _vip_target(self, vips: frozenset[str], sets: VIPSets) -> VIPTarget:
+        """The VIPs and table ``sets`` ask for, as far as they can be served now.
+
+        Pure but for reading whether the listener and program are there:
+        ``prepare`` calls it off the loop. What cannot be served is refused.
+        ValueError for a VIP that is not one (``vips.vip``).
+        """
+        assert self.local_vips is not None
+        rules = Interception(self._steerable(sets), sets.drop_all, sets.drop_external,
+                             tuple(str(c) for c in self.forwarder.cluster_cidrs))
+        lv = self.local_vips
+        return VIPTarget.build(vips, rules, lv.nft_table, lv.known, lv.proto)
+
+    def _sync_vips(self, sets: VIPSets, target: VIPTarget) -> None:
+        """Put the VIPs, their steering and their nft table in force, in the background.
+
+        The decision table is swapped already, so a connection to a VIP port
+        that just changed meets its new plan. The pair map is a few batch
+        syscalls; the routes and the table are the ``ip`` and ``nft`` runs of
+        ``LocalVIPs.sync_async``, which the loop never waits for. While one
+        runs, a newer sync only replaces what is wanted (newest wins); the
+        run that follows puts it in force.
+        """
+        vl = self._vip_listener
+        if vl is None and sets.served:
+            vl = self._open_vip_listener()
+        assert target.rules is not None
+        if target.rules.served != self._steerable(sets):
+            target = self._vip_target(target.vips, sets)  # the listener came or went
+        if vl is not None:
+            self._set_vip_steering(vl, sets.affinity)
+        if not target.same(self._vips_wanted):
+            self._vips_wanted = target
+            self._vips_generation = self.generation
+        if self._vips_task is None or self._vips_task.done():
+            self._vips_task = self.loop.create_task(self._put_vips(), name="service-vips")
+
+    async def _put_vips(self) -> None:
+        assert self.local_vips is not None
+        while (not self._closed and self._vips_wanted is not None
+               and not self._vips_wanted.same(self._vips_applied)):
+            target, generation = self._vips_wanted, self._vips_generation
+            rules = target.rules
+            assert rules is not None
+            try:
+                if self._sk is not None:
+                    for _ in self._sk.changes(rules.served):
+                        await asyncio.sleep(0)  # a batch syscall each: let connections in
+                await self.local_vips.sync_async(target)
+            except (OSError, ValueError, RuntimeError) as exc:
+                log.error("cannot put %d service VIPs in force: %s; retrying in %.1fs",
+                          len(target.vips), exc, self.retry_interval)
+                await asyncio.sleep(self.retry_interval)
+                continue
+            self._vips_applied = target
+            metrics.SERVICE_VIPS.set(len(target.vips))
+            metrics.SERVICE_VIP_PORTS.set(len(rules.served))
+            vl = self._vip_listener
+            log.info("service VIPs in force (generation %d): %d VIPs, %d ports steered to"
+                     " %s:%d, %d dropping", generation, len(target.vips), len(rules.served),
+                     LISTEN_ADDRESS, vl.port if vl is not None else 0,
+                     len(rules.drop_all) + len(rules.drop_external))
+
+    async def vips_synced(self) -> None:
+        """Wait until the VIPs and rules of the latest ``apply`` are in force (tests, bench)."""
+        while self._vips_task is not None and not self._vips_task.done():
+            await asyncio.shield(self._vips_task)
+
+    def _open_vip_listener(self) -> Listener | None:
+        """The one listener every VIP port is steered to; None if it cannot bind.
+
+        Adopts the one a predecessor passed on (the only socket on
+        ``LISTEN_ADDRESS`` among them): its accept queue carries on.
+        """
+        key = next((k for k in self._inherited if k[0] == LISTEN_ADDRESS
+                    and (not self.vip_port or k[1] == self.vip_port)), None)
+        adopt = self._inherited.pop(key) if key is not None else None
+        lis = Listener(
+            self.loop, LISTEN_ADDRESS, key[1] if key is not None else self.vip_port,
+            self.forwarder.on_accept, admit=self.forwarder.has_capacity,
+            on_blocked=self._on_blocked, backlog=self.backlog, reuse_port=self.reuse_port,
+            label="service VIPs", accept_set=self.accept_set, steered=True,
+        )
+        try:
+            try:
+                lis.open(None, adopt=adopt)
+            except OSError:
+                if adopt is None:
+                    raise
+                adopt.close()
+                lis.open(None)
+            if self._sk is not None:
+                assert lis.sock is not None
+                self._sk.steer_to(lis.sock)
+        except OSError as exc:
+            lis.close()
+            log.error("cannot open the service VIP listener on %s:%d: %s; every VIP port is"
+                      " refused until it can", LISTEN_ADDRESS, lis.port, exc.strerror or exc)
+            self._schedule_retry()
+            return None
+        log.info("service VIPs steered to %s:%d%s", LISTEN_ADDRESS, lis.port,
+                 " (socket taken over)" if adopt is not None else "")
+        self._vip_listener = lis
+        return lis
+
+    def _set_vip_steering(self, lis: Listener, affinity: bool) -> None:
+        try:
+            lis.set_steering(self.workers if self.workers > 1 and affinity else 0)
+        except OSError as exc:
+            log.warning("service VIP listener: cannot steer by client IP: %s", exc)
 
     async def stop_accepting(self) -> None:
         """Close every listener (SIGTERM step 1); relays keep running.
@@ -296,6 +514,10 @@ class Dataplane:
         for lis in self._listeners.values():
             lis.close()
         self._listeners.clear()
+        if self._vip_listener is not None:
+            self._vip_listener.close()
+            self._blocked.discard(self._vip_listener)
+            self._vip_listener = None
         self._close_inherited(all_of_them=True)
         self._failed.clear()
         self._blocked.clear()
@@ -323,6 +545,12 @@ class Dataplane:
         self._close_listeners()
         self.accept_set.close()
         self.forwarder.close()
+        if self._vips_task is not None:
+            self._vips_task.cancel()
+        if self._sk is not None:
+            self._sk.close()
+        if self.local_vips is not None and self.local_vips.installed:
+            self.local_vips.remove_all()  # only if no other kpx is present
         if self._routing is not None:
             self._routing.remove()
             self.forwarder.transparent = False
@@ -330,7 +558,7 @@ class Dataplane:
 
     # -- reconciliation ----------------------------------------------------------
 
-    def _port_table(self, plans: dict[int, PortPlan]) -> _PortTable:
+    def _port_table(self, plans: dict[PlanKey, PortPlan]) -> _PortTable:
         """The forwarder's table for ``plans``, made from the current one without changing it.
 
         Pure, so ``prepare`` builds it in the source's thread, off the loop
@@ -342,7 +570,7 @@ class Dataplane:
         balancers, metrics_of = self._balancers, self._metrics
         new_balancers: dict[str, Balancer] = {}
         new_metrics: dict[str, PortMetrics] = {}
-        ports: dict[int, PortState] = {}
+        ports: dict[PlanKey, PortState] = {}
         for port, plan in plans.items():
             state = before.get(port)
             if state is not None and state.plan is plan:
@@ -363,7 +591,7 @@ class Dataplane:
         live = {p.key for p in plans.values()}
         return _PortTable(before, ports, new_balancers, new_metrics, live)
 
-    def _swap_plans(self, plans: dict[int, PortPlan], table: _PortTable | None = None) -> None:
+    def _swap_plans(self, plans: dict[PlanKey, PortPlan], table: _PortTable | None = None) -> None:
         """Put ``plans`` in force; ``table`` is their ``_port_table`` if ``prepare`` made it.
 
         Only ``_swap_plans`` changes the table, balancers and metrics, so a
@@ -433,10 +661,11 @@ class Dataplane:
             del self._failed[key]
 
         retry = False
-        for key, drop in list(self._desired.items()):
+        for key, (plan_key, mode) in list(self._desired.items()):
             yield
             addr, port = key
-            plan = self._plans[port]
+            plan = self._plans[plan_key]
+            drop = mode == "external"
             program = self._program if drop else None
             steer = self.workers if self.workers > 1 and plan.affinity_seconds else 0
             if drop and program is None:
@@ -453,7 +682,7 @@ class Dataplane:
                         self.loop, addr, port, self.forwarder.on_accept,
                         admit=self.forwarder.has_capacity, on_blocked=self._on_blocked,
                         backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
-                        steer_workers=steer, accept_set=self.accept_set,
+                        steer_workers=steer, accept_set=self.accept_set, table_key=plan_key,
                     )
                     try:
                         lis.open(program, adopt=adopt)
@@ -528,7 +757,12 @@ class Dataplane:
 
     def _retry(self) -> None:
         self._retry_handle = None
-        if self._failed and self._accepting and not self._closed:
+        if not self._accepting or self._closed:
+            return
+        if self._vips_wanted is not None and self._vip_listener is None:
+            # The VIP listener failed to bind: again, for what the last apply wanted.
+            self._sync_vips(vip_sets(self._plans), self._vips_wanted)
+        if self._failed:
             self._reconcile()
 
     def _on_blocked(self, lis: Listener) -> None:
@@ -546,9 +780,13 @@ class Dataplane:
 
     def _update_gauge(self) -> None:
         counts = {"serving": 0, "dropping": 0, "paused": 0}
-        for lis in self._listeners.values():
+        every = list(self._listeners.values())
+        if self._vip_listener is not None:
+            every.append(self._vip_listener)
+        for lis in every:
             st = lis.state
             if st in counts:
                 counts[st] += 1
         for state, n in counts.items():
             metrics.LISTENERS.labels(state).set(n)
+

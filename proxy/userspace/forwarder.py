@@ -458,7 +458,7 @@ class Relay:
 
     def __init__(
         self, fwd: Forwarder, state: PortState, csock: socket.socket,
-        client_addr: tuple[str, int], node_port: int,
+        client_addr: tuple[str, int], node_port: object,
     ) -> None:
         self.fwd = fwd
         self.state = state
@@ -782,7 +782,8 @@ class Forwarder:
         """True only while the return-path routing is installed."""
         self.max_connections = max_connections
         """0 means unlimited."""
-        self.ports: dict[int, PortState] = {}
+        self.ports: dict[object, PortState] = {}
+        """By plan key: a nodePort, or ``(vip, port)`` (``proxy.core.decision.PlanKey``)."""
         self.local_addresses: Collection[str] = frozenset()
         self.cluster_cidrs: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
         """Pod CIDRs: their NodePort traffic gets Cluster semantics (detect-local)."""
@@ -808,7 +809,7 @@ class Forwarder:
     def has_capacity(self) -> bool:
         return not self.max_connections or len(self.active) < self.max_connections
 
-    def on_accept(self, csock: socket.socket, addr: tuple[str, int], node_port: int) -> None:
+    def on_accept(self, csock: socket.socket, addr: tuple[str, int], node_port: object) -> None:
         state = self.ports.get(node_port)
         if state is None:
             # The listener is being closed by this very sync.

@@ -1,6 +1,7 @@
-"""One NodePort listening socket and its accept loop.
+"""One listening socket and its accept loop: a NodePort's, or the service VIPs' one.
 
-Owns: the socket bound to one ``(address, nodePort)``: open (or adopt one
+Owns: the socket bound to one ``(address, nodePort)`` (or the one that
+every service VIP's connections are steered to, ``proxy.userspace.sklookup``): open (or adopt one
 passed on by the kpx node this one takes over from), SYN filter on or off,
 accept with back-off, pause and resume, close. Every accepted socket
 goes, still raw, to the ``on_accept`` callback.
@@ -64,7 +65,7 @@ BACKOFF_MAX = 1.0
 
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-OnAccept = Callable[[socket.socket, tuple[str, int], int], None]
+OnAccept = Callable[[socket.socket, tuple[str, int], object], None]
 """``on_accept(sock, (client_ip, client_port), node_port)``."""
 
 
@@ -140,12 +141,20 @@ class Listener:
         label: str = "",
         steer_workers: int = 0,
         accept_set: AcceptSet | None = None,
+        table_key: object = None,
+        steered: bool = False,
     ) -> None:
         self.loop = loop
         self._accept_set = accept_set
         """Where the socket is watched; None: on the loop itself (``add_reader``)."""
         self.address = address
         self.port = port
+        self.table_key = port if table_key is None else table_key
+        """What ``on_accept`` is told: the key of this listener's plan (its nodePort)."""
+        self.steered = steered
+        """The socket every service VIP's connections are steered to
+        (``proxy.userspace.sklookup``): ``on_accept`` is told each one's own
+        ``(VIP, port)``, its ``getsockname()``, instead of ``table_key``."""
         self.label = label
         self._on_accept = on_accept
         self._admit = admit
@@ -210,6 +219,7 @@ class Listener:
             # per connection.
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.bind((self.address, self.port))
+            self.port = s.getsockname()[1]  # the kernel's pick for port 0
             if program is not None:
                 synfilter.attach(s, program)
             s.listen(self._backlog)
@@ -338,8 +348,8 @@ class Listener:
             except OSError as exc:
                 self._accept_failed(exc)
                 return
-            self._on_accept(socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd), addr,
-                            self.port)
+            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
+            self._on_accept(conn, addr, conn.getsockname() if self.steered else self.table_key)
         if self._backoff:
             if self._errors_in_episode > 1:
                 log.info(
