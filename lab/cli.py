@@ -169,11 +169,14 @@ def _print_table(lab: Lab) -> None:
                      ",".join(f"{k}={v}" for k, v in spec["labels"].items())))
     _table(rows)
     print()
-    rows = [("SERVICE", "TYPE", "eTP", "PORT -> TARGET", "NODEPORT", "HC PORT")]
+    rows = [("SERVICE", "TYPE", "eTP", "CLUSTER-IP", "EXTERNAL-IP", "PORT -> TARGET", "NODEPORT",
+             "HC PORT")]
     for key in lab.services:
         spec = lab.service(key)["spec"]
         ports = spec.get("ports", [])
         rows.append((key, spec["type"], spec.get("externalTrafficPolicy", "-"),
+                     spec.get("clusterIP") or "-",
+                     _external_text(spec["type"], lab.external_ips(key), lab.ingress(key)),
                      ",".join(f"{p['port']}->{p.get('targetPort')}" for p in ports),
                      ",".join(str(p.get("nodePort", "-")) for p in ports),
                      str(spec.get("healthCheckNodePort") or "-")))
@@ -184,6 +187,15 @@ def _print_table(lab: Lab) -> None:
         print(f"reach it:  kpx lab exec client -- curl -s http://{ip}:{port}/")
     print(f"see it:    kpx lab status{_name_flag(lab)}   |   remove it: kpx lab down"
           f"{_name_flag(lab)}")
+
+
+def _external_text(svc_type: str, external_ips: list[str],
+                   ingress: list[dict[str, Any]]) -> str:
+    """kubectl's EXTERNAL-IP column, with each ingress IP's ipMode: ``10.79.0.1 (VIP)``."""
+    shown = [f"{i.get('ip')} ({i.get('ipMode', 'VIP')})" for i in ingress]
+    if svc_type == "LoadBalancer" and not shown:
+        shown = ["<pending>"]
+    return ",".join(shown + external_ips) or "-"
 
 
 def _name_flag(lab: Lab) -> str:
@@ -228,6 +240,9 @@ def _status(args: argparse.Namespace) -> int:
         rows.append((n["name"], n["ip"], alive, _health_text(n.get("healthz")),
                      " ".join(n["listen"]) or "-"))
     _table(rows)
+    if st["services"]:
+        print()
+        _table(_service_rows(st["services"]))
     hc = [(n["name"], k, v) for n in st["nodes"] for k, v in n["services"].items()]
     if hc:
         print()
@@ -264,6 +279,20 @@ def _status(args: argparse.Namespace) -> int:
                          str(r.get("since", ""))))
         _table(rows)
     return 0
+
+
+def _service_rows(services: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Each service's VIPs, as ``lab.status()`` reports them."""
+    rows = [("SERVICE", "TYPE", "iTP", "eTP", "CLUSTER-IP", "EXTERNAL-IPS (-> NODE)",
+             "LB INGRESS (ipMode)", "PORTS")]
+    for s in services:
+        rows.append((s["key"], s["type"], s.get("internalTrafficPolicy") or "-",
+                     s.get("externalTrafficPolicy") or "-", s.get("clusterIP") or "-",
+                     ",".join(f"{e['ip']} -> {e['node']}" for e in s["externalIPs"]) or "-",
+                     _external_text(s["type"], [], s["ingress"]),
+                     ",".join(f"{p['port']}" + (f":{p['nodePort']}" if p["nodePort"] else "")
+                              for p in s["ports"]) or "-"))
+    return rows
 
 
 def _probe_text(lab: Lab, lb: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """The running lab: a multi-node cluster substitute made of network namespaces.
 
 Owns: the life of one lab (``up``/``down``, ``attach``), converging it on a
-new spec (``apply``: pods and services), its services, the ``lab.json``
+new spec (``apply``: pods, services and their externalIP routes), its
+services (with the LB controller's ``status.loadBalancer``), the ``lab.json``
 record (``_save``/``_load``), and ``Lab``, the Python API tests and the CLI
 drive a lab with::
 
@@ -55,7 +56,7 @@ from typing import Any
 
 from lab import netns, topology
 from lab.common import wait_until, write_atomic
-from lab.controller import NodeInfo, resolve_services
+from lab.controller import NodeInfo, load_balancer_status, resolve_services
 from lab.lb import control as lb_control
 from lab.pods import Pods, needs_recreate
 from lab.probes import NoReply, Traffic, can_connect, http_ok
@@ -155,10 +156,11 @@ class Lab(Traffic, Pods):
             self._status = "creating"
             self._save()
             try:
-                topology.build_fabric(self.plan)
+                topology.build_fabric(self.plan, self.spec.service_cidr)
                 for p in self.spec.pods:
                     self._create_pod_ns(p)
-                self._services = resolve_services(self.spec.services)
+                self._services = self._resolve(self.spec)
+                self._route_external_ips()
                 self._write_state()
                 t_net = time.monotonic()
                 for rec in self._pods.values():
@@ -297,6 +299,18 @@ class Lab(Traffic, Pods):
         """healthCheckNodePort of a service; 0 if it has none (not LoadBalancer+Local)."""
         return int(self.service(key)["spec"].get("healthCheckNodePort", 0))
 
+    def cluster_ip(self, key: str) -> str:
+        """The service's ClusterIP (allocated from ``cluster.serviceCIDR`` unless given)."""
+        return str(self.service(key)["spec"].get("clusterIP") or "")
+
+    def external_ips(self, key: str) -> list[str]:
+        return list(self.service(key)["spec"].get("externalIPs") or [])
+
+    def ingress(self, key: str) -> list[dict[str, Any]]:
+        """``status.loadBalancer.ingress`` of a service: ``[{ip, ipMode}]``, or [] (pending)."""
+        return list(((self.service(key).get("status") or {}).get("loadBalancer") or {})
+                    .get("ingress") or [])
+
     def lb_address(self) -> tuple[str, int]:
         """Where a client reaches the LB-fronted service.
 
@@ -348,14 +362,25 @@ class Lab(Traffic, Pods):
         for a graceful exit), a pod whose node, port or namespace changed is
         deleted and created anew (a new IP and uid, as a rescheduled pod
         gets), label and readiness changes are applied in place. Services are
-        replaced wholesale, keeping allocated nodePorts as the API server
-        does. Nodes cannot change on a running lab.
+        replaced wholesale, keeping allocated nodePorts and ClusterIPs as the
+        API server does; their ``status.loadBalancer`` follows
+        ``loadBalancer.ipMode``, and the externalIP routes follow their
+        externalIPs. Every change reaches the proxies the one way they read
+        the cluster: the state file, replaced atomically. Nodes and the
+        service CIDR cannot change on a running lab.
         """
         with self._mutating():
             new = self._accept(spec)
             if tuple(new.nodes) != tuple(self.spec.nodes):
                 raise LabError("apply cannot change the nodes of a running lab; run"
                                " `kpx lab up` with the new file instead")
+            if new.service_cidr != self.spec.service_cidr:
+                raise LabError(f"apply cannot change cluster.serviceCIDR of a running lab"
+                               f" ({self.spec.service_cidr} -> {new.service_cidr}); run"
+                               " `kpx lab up` with the new file instead")
+            old = {service_key(s): s for s in self._services}
+            # Before any pod changes: a refused service leaves the lab as it was.
+            services = self._resolve(new, old)
             changes: dict[str, list[str]] = {"created": [], "deleted": [], "moved": [],
                                              "updated": [], "services": []}
             want = {p.name: p for p in new.pods}
@@ -388,12 +413,12 @@ class Lab(Traffic, Pods):
                 starting.append(rec)
                 if name not in changes["moved"] and name not in changes["updated"]:
                     changes["created"].append(name)
-            old = {service_key(s): s for s in self._services}
-            self._services = resolve_services(new.services, old)
+            self._services = services
             now = {service_key(s): s for s in self._services}
             changes["services"] = sorted(k for k in old.keys() | now.keys()
                                          if old.get(k) != now.get(k))
             self.spec = new
+            self._route_external_ips()
             self._wait_ready(starting, [])
             self._write_state()
             self._save()
@@ -468,11 +493,17 @@ class Lab(Traffic, Pods):
             spec = s["spec"]
             services.append({"key": service_key(s), "type": spec["type"],
                              "externalTrafficPolicy": spec.get("externalTrafficPolicy"),
+                             "internalTrafficPolicy": spec.get("internalTrafficPolicy"),
                              "ports": [{"name": p.get("name", ""), "port": p["port"],
                                         "targetPort": p.get("targetPort"),
                                         "nodePort": p.get("nodePort", 0)}
                                        for p in spec.get("ports", [])],
-                             "healthCheckNodePort": spec.get("healthCheckNodePort", 0)})
+                             "healthCheckNodePort": spec.get("healthCheckNodePort", 0),
+                             "clusterIP": spec.get("clusterIP"),
+                             "clusterIPs": list(spec.get("clusterIPs") or []),
+                             "externalIPs": [{"ip": ip, "node": self.spec.external_ip_node(ip)}
+                                             for ip in spec.get("externalIPs") or []],
+                             "ingress": self.ingress(service_key(s))})
         return {"name": self.prefix, "run_dir": str(self.run_dir),
                 "state": str(self.state_path), "client_ip": self.client_ip, "nodes": nodes,
                 "pods": pods, "services": services, "loadBalancer": self._lb_status()}
@@ -513,6 +544,8 @@ class Lab(Traffic, Pods):
         raw = json.loads(json.dumps(dict(spec)))
         old = {service_key(s): s for s in self._services}
         for svc in raw.get("services") or []:
+            if isinstance(svc, dict):
+                svc.pop("status", None)  # an update ignores status, as the API server does
             prev = old.get(service_key(svc)) if isinstance(svc, dict) else None
             if prev is None or not isinstance(svc.get("spec"), dict):
                 continue
@@ -521,7 +554,7 @@ class Lab(Traffic, Pods):
             if new_type not in ("NodePort", "LoadBalancer"):
                 old_nps = {p.get("nodePort") for p in op.get("ports", [])}
                 for p in sp.get("ports") or []:
-                    if isinstance(p, dict) and p.get("nodePort") in old_nps:
+                    if isinstance(p, dict) and p.get("nodePort") and p["nodePort"] in old_nps:
                         p.pop("nodePort")
             if (sp.get("healthCheckNodePort")
                     and sp.get("healthCheckNodePort") == op.get("healthCheckNodePort")
@@ -569,6 +602,19 @@ class Lab(Traffic, Pods):
     def _node_infos(self) -> list[NodeInfo]:
         return [NodeInfo(n, self.node_ip(n), topology.pod_cidr(self.plan.node_index(n)))
                 for n in self.spec.nodes]
+
+    def _resolve(self, spec: LabSpec,
+                 previous: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """*spec*'s Services as the API server and the LB controller leave them."""
+        services = resolve_services(spec.services, previous, spec.service_cidr)
+        fronted = spec.lb_service_key if spec.load_balancer is not None else None
+        return load_balancer_status(services, fronted, self.lb_front_ip, spec.lb_ip_mode)
+
+    def _route_external_ips(self) -> None:
+        """Route every service's externalIPs from the client and the lb to their node."""
+        ips = {ip for s in self._services for ip in s["spec"].get("externalIPs") or []}
+        topology.sync_external_ip_routes(self.plan, {ip: self.spec.external_ip_node(ip)
+                                                     for ip in sorted(ips)})
 
     def _write_state(self) -> None:
         self.state_file.publish(self._node_infos(), self._services,

@@ -3,9 +3,13 @@
 Owns, as pure functions:
 
 - API-server defaulting and allocation for Services (``resolve_services``):
-  type/protocol/targetPort/policy defaults, a ClusterIP, nodePorts and the
-  healthCheckNodePort, allocated deterministically and *kept across updates*
-  exactly as the API server's ``patchAllocatedValues`` keeps them.
+  type/protocol/targetPort/policy defaults, a ClusterIP (from the lab's
+  service CIDR), nodePorts and the healthCheckNodePort, allocated
+  deterministically and *kept across updates* exactly as the API server's
+  ``patchAllocatedValues`` keeps them.
+- The cloud controller's part: ``status.loadBalancer`` of LoadBalancer
+  Services (``load_balancer_status``): the lab's LB front as the ingress IP
+  of the service it fronts, with the ipMode the lab file asks for.
 - What the EndpointSlice controller publishes for those Services and the
   lab's pods (``endpoint_slices``), field for field.
 - The v1 Node objects of the lab's nodes (``node_objects``) and the state
@@ -45,13 +49,22 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from lab.spec import NODE_PORT_MAX, NODE_PORT_MIN, service_key
+from lab.spec import (
+    DEFAULT_SERVICE_CIDR,
+    NODE_PORT_MAX,
+    NODE_PORT_MIN,
+    LabSpecError,
+    service_key,
+)
 
 MAX_ENDPOINTS_PER_SLICE = 100
 MANAGED_BY = "endpointslice-controller.k8s.io"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 TRIGGER_TIME_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
-SERVICE_CIDR = ipaddress.ip_network("10.96.0.0/16")
+SERVICE_CIDR = ipaddress.IPv4Network(DEFAULT_SERVICE_CIDR)
+RESERVED_OFFSETS = 10
+"""Allocation skips the service CIDR's first ten addresses (the network address,
+``.1`` for ``kubernetes``, a few for static use) and its broadcast address."""
 DEFAULT_AFFINITY_SECONDS = 10800
 _UID_NAMESPACE = uuid.UUID("6f1c8c1e-5b1a-4f3e-9a4e-6b7061726b78")
 
@@ -131,11 +144,17 @@ def default_service(obj: Mapping[str, Any]) -> dict[str, Any]:
         spec["ports"] = ports
     if not _needs_hc_port(spec):
         spec.pop("healthCheckNodePort", None)
+    if spec["type"] == "ExternalName":
+        spec.pop("clusterIPs", None)
+    elif not spec.get("clusterIP") and spec.get("clusterIPs"):
+        spec["clusterIP"] = spec["clusterIPs"][0]  # clusterIPs alone asks for its first
+    svc.pop("status", None)  # status is not the API server's input; the lab writes it
     return svc
 
 
 def resolve_services(services: Iterable[Mapping[str, Any]],
-                     previous: Mapping[str, Mapping[str, Any]] | None = None
+                     previous: Mapping[str, Mapping[str, Any]] | None = None,
+                     service_cidr: str | ipaddress.IPv4Network = SERVICE_CIDR,
                      ) -> list[dict[str, Any]]:
     """Defaults plus allocation: the Services as ``kubectl get -o yaml`` would show them.
 
@@ -144,12 +163,22 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
     port name, the healthCheckNodePort, clusterIP, uid), so an apply that
     does not mention nodePorts never moves them: a moving nodePort would
     silently break every LB pointing at the old one. Fresh values are
-    allocated from a hash of the service key, then the next free port, so
-    the same lab file always gets the same ports.
+    allocated from a hash of the service key, then the next free port (or
+    address of *service_cidr*), so the same lab file always gets the same
+    ports and ClusterIPs, across applies and across ``down``/``up``.
+
+    Given values are claimed before anything is kept or allocated, so an
+    allocation never takes one. A given clusterIP that another existing
+    service holds (it was allocated to it earlier) is refused with
+    ``LabSpecError``, as the API server refuses it: silently moving that
+    service's VIP would break its clients. (``LabSpec`` has already refused
+    given clusterIPs that are malformed, outside the CIDR, or given twice.)
     """
     previous = previous or {}
+    cidr = ipaddress.IPv4Network(service_cidr)
     resolved = [default_service(s) for s in services]
     resolved.sort(key=service_key)
+    problems: list[str] = []
 
     # Values the user gave, or that the previous round allocated, are taken.
     used_ports: set[int] = set()
@@ -161,6 +190,19 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
             used_ports.add(spec["healthCheckNodePort"])
         if spec.get("clusterIP") not in (None, "", "None"):
             used_ips.add(spec["clusterIP"])
+
+    # Who holds which address from earlier rounds, unless it now names its own.
+    keys = {service_key(s): s for s in resolved}
+    holders = {ip: key for key, old in previous.items()
+               if key in keys and not keys[key]["spec"].get("clusterIP")
+               and (ip := (old.get("spec") or {}).get("clusterIP")) not in (None, "", "None")}
+    for key, svc in keys.items():
+        ip = svc["spec"].get("clusterIP")
+        if holders.get(ip, key) != key:
+            problems.append(f"Service {key}: spec.clusterIP: {ip} is already allocated to"
+                            f" {holders[ip]}")
+    if problems:
+        raise LabSpecError(problems, "apply")
 
     for svc in resolved:
         key = service_key(svc)
@@ -186,7 +228,7 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
                 used_ports.add(hc)
         if spec["type"] != "ExternalName" and not spec.get("clusterIP"):
             ip = old_spec.get("clusterIP")
-            if ip and ip != "None" and ip not in used_ips:
+            if ip and ip != "None" and ip not in used_ips and ipaddress.ip_address(ip) in cidr:
                 spec["clusterIP"] = ip
                 used_ips.add(ip)
 
@@ -202,11 +244,18 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
                                                          used_ports)
         if spec["type"] != "ExternalName":
             if not spec.get("clusterIP"):
-                spec["clusterIP"] = _allocate_ip(key, used_ips)
+                ip = _allocate_ip(key, used_ips, cidr)
+                if ip is None:
+                    problems.append(f"Service {key}: spec.clusterIP: no free address left in"
+                                    f" the service CIDR {cidr} (cluster.serviceCIDR)")
+                    continue
+                spec["clusterIP"] = ip
             spec["clusterIPs"] = [spec["clusterIP"]]
             if spec["clusterIP"] != "None":
                 spec.setdefault("ipFamilies", ["IPv4"])
                 spec.setdefault("ipFamilyPolicy", "SingleStack")
+    if problems:
+        raise LabSpecError(problems, "apply")
     return resolved
 
 
@@ -221,19 +270,45 @@ def _allocate_port(seed: str, used: set[int]) -> int:
     raise ValueError("the nodePort range 30000-32767 is exhausted")
 
 
-def _allocate_ip(seed: str, used: set[str]) -> str:
-    base = int(SERVICE_CIDR.network_address)
-    span = SERVICE_CIDR.num_addresses
+def _allocate_ip(seed: str, used: set[str],
+                 cidr: ipaddress.IPv4Network = SERVICE_CIDR) -> str | None:
+    """The first free address from the hash of *seed* on, in *cidr*; None when it is full."""
+    base = int(cidr.network_address)
+    span = cidr.num_addresses
     start = _hash_int(seed) % span
     for i in range(span):
         offset = (start + i) % span
-        if offset < 10 or offset == span - 1:  # network, .1 (kubernetes), broadcast
+        if offset < RESERVED_OFFSETS or offset == span - 1:
             continue
         ip = str(ipaddress.ip_address(base + offset))
         if ip not in used:
             used.add(ip)
             return ip
-    raise ValueError("the service CIDR is exhausted")
+    return None
+
+
+def load_balancer_status(services: Sequence[Mapping[str, Any]], fronted: str | None,
+                         ingress_ip: str, ip_mode: str = "VIP") -> list[dict[str, Any]]:
+    """*services* with ``status.loadBalancer`` as the lab's cloud controller writes it.
+
+    The service the lab's LB fronts (*fronted*, ``namespace/name``) gets the
+    LB's address as its one ingress, with *ip_mode* (``VIP``: proxies may
+    short-circuit in-cluster traffic to it; ``Proxy``: they must let it go
+    to the LB). Other LoadBalancer services stay pending (``loadBalancer:
+    {}``, what ``kubectl`` shows as ``<pending>``), as on a cluster whose LB
+    controller serves one service; other types get no status.
+    """
+    out = []
+    for svc in services:
+        svc = dict(svc)
+        svc.pop("status", None)
+        if svc["spec"].get("type") == "LoadBalancer":
+            lb: dict[str, Any] = {}
+            if service_key(svc) == fronted:
+                lb["ingress"] = [{"ip": ingress_ip, "ipMode": ip_mode}]
+            svc["status"] = {"loadBalancer": lb}
+        out.append(svc)
+    return out
 
 
 # --- the EndpointSlice controller's part -------------------------------------------

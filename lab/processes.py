@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lab import netns
 from lab.rundir import LabError, PodRecord, ProcInfo
+from lab.topology import POD_NETWORK
 
 log = logging.getLogger("kpx.lab")
 
@@ -155,6 +156,10 @@ def proxy_argv(node: str, state_path: Path, extra_args: Sequence[str],
         argv += ["--healthz-bind-address", f"0.0.0.0:{healthz_port}"]
     if metrics_port and "--metrics-bind-address" not in extra:
         argv += ["--metrics-bind-address", f"127.0.0.1:{metrics_port}"]
+    if "--cluster-cidr" not in extra:
+        # As kube-proxy is given it: pod traffic gets Cluster semantics, and a
+        # pod keeps its IP on a ClusterIP hop to another node.
+        argv += ["--cluster-cidr", POD_NETWORK]
     return argv + extra
 
 

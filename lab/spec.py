@@ -15,6 +15,11 @@ Lab file format
 .. code-block:: yaml
 
     nodes: 3                  # a count (names node1..nodeN) or a list of names
+    cluster:                  # optional cluster-wide settings
+      serviceCIDR: 10.96.0.0/16   # ClusterIPs are allocated from it (IPv4, /12 to /28)
+      externalIPRoutes:           # which node the router (the lb namespace) sends each
+        203.0.113.10: node2       # externalIP to; an externalIP not listed goes to the
+                                  # first node
     pods:
       - name: web-1           # unique; also names the pod's network namespace
         node: node1           # one of the nodes
@@ -33,9 +38,12 @@ Lab file format
           selector: {app: web}
           ports: [{port: 80, targetPort: 8080, nodePort: 30080}]
           healthCheckNodePort: 32080      # optional: allocated when omitted
+          clusterIP: 10.96.0.50           # optional: allocated from cluster.serviceCIDR
+          externalIPs: [203.0.113.10]     # optional: routed by the lab to a node
     loadBalancer:             # optional; an external L4 LB in front of the nodes
       service: default/web    # "namespace/name" or "name" (namespace default)
       mode: passthrough       # passthrough (client IP reaches the node) | proxy
+      ipMode: VIP             # the ingress ipMode the LB reports: VIP (default) | Proxy
       proxyProtocol: none     # proxy mode only: none | v1 | v2 (null means none)
       probe:
         type: http            # http | tcp
@@ -50,15 +58,27 @@ Lab file format
 The LB itself (and the meaning of any further ``loadBalancer`` keys, such as
 its front ``port``) belongs to ``lab.loadbalancer``.
 
-nodePorts and healthCheckNodePort may be omitted: the lab allocates them
-deterministically, as the API server would, and keeps them across
+nodePorts, healthCheckNodePort and clusterIP may be omitted: the lab allocates
+them deterministically, as the API server would, and keeps them across
 ``kpx lab apply``. Unknown keys in ``loadBalancer`` are kept untouched, so
 the load balancer can grow options without this module changing.
+
+The lab plays the API server, so what it would refuse is refused here, one
+message per problem: a clusterIP that is not an IPv4 address, lies outside
+``cluster.serviceCIDR`` (or is its network or broadcast address), or is
+given to two services; ``None`` (headless) on a NodePort or LoadBalancer
+service; an externalIP that is not a plain unicast IPv4 address or lies
+inside one of the lab's own networks (it would be routed as that network).
+A Service's ``status`` is the lab's to write (the fronted LoadBalancer
+service gets ``status.loadBalancer.ingress: [{ip: <the LB front>, ipMode}]``,
+from ``loadBalancer.ipMode``), so a lab file that sets one is refused rather
+than silently overruled.
 """
 
 from __future__ import annotations
 
 import copy
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -69,11 +89,17 @@ from typing import Any
 
 import yaml
 
+from lab.topology import LAB_NETWORKS
+
 MAX_NODES = 50
 MAX_PODS_PER_NODE = 200
 NODE_PORT_MIN, NODE_PORT_MAX = 30000, 32767
 RESERVED_NAMES = frozenset({"sw", "lb", "client"})
 """Namespace suffixes the lab itself uses; no node or pod may take them."""
+DEFAULT_SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_CIDR_PREFIXES = (12, 28)
+"""The API server refuses a service range larger than /12; below /28 the lab's
+allocator (which keeps the first ten addresses for static use) has no room."""
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -85,6 +111,7 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 LB_MODES = ("passthrough", "proxy")
 PROBE_TYPES = ("http", "tcp")
+IP_MODES = ("VIP", "Proxy")
 PROBE_DEFAULTS: dict[str, Any] = {
     "type": "http", "port": "healthCheckNodePort", "path": "/healthz", "interval": 1,
     "timeout": 1, "healthyThreshold": 1, "unhealthyThreshold": 2,
@@ -136,6 +163,10 @@ class LabSpec:
     pods: tuple[PodSpec, ...] = ()
     services: tuple[dict[str, Any], ...] = ()
     load_balancer: dict[str, Any] | None = None
+    service_cidr: str = DEFAULT_SERVICE_CIDR
+    """``cluster.serviceCIDR``: where ClusterIPs come from (normalized, e.g. 10.96.0.0/16)."""
+    external_ip_routes: Mapping[str, str] = field(default_factory=dict)
+    """``cluster.externalIPRoutes``: externalIP -> node the router sends it to."""
 
     # --- construction -------------------------------------------------------
 
@@ -172,17 +203,29 @@ class LabSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "lab spec",
                   check_lb_service: bool = True) -> LabSpec:
+        """Validate a lab file's structure; ``check_lb_service`` also checks references.
+
+        With ``check_lb_service`` false (a running lab's own edits, which may
+        delete a service first), ``loadBalancer.service`` and
+        ``cluster.externalIPRoutes`` may name something no service has.
+        """
         problems: list[str] = []
-        unknown = set(data) - {"nodes", "pods", "services", "loadBalancer"}
-        problems += [f"{k}: unknown top-level key (expected nodes, pods, services, loadBalancer)"
-                     for k in sorted(map(str, unknown))]
+        unknown = set(data) - {"nodes", "pods", "services", "loadBalancer", "cluster"}
+        problems += [f"{k}: unknown top-level key (expected nodes, cluster, pods, services,"
+                     " loadBalancer)" for k in sorted(map(str, unknown))]
         nodes = _parse_nodes(data.get("nodes", 3), problems)
+        cidr, routes = _parse_cluster(data.get("cluster"), nodes, problems)
         pods = _parse_pods(data.get("pods") or [], nodes, problems)
-        services = _parse_services(data.get("services") or [], problems)
+        services = _parse_services(data.get("services") or [], problems, cidr)
         lb = _parse_lb(data.get("loadBalancer"), services, problems, check_lb_service)
+        if check_lb_service:
+            listed = {ip for svc in services for ip in svc["spec"].get("externalIPs") or []}
+            problems += [f"cluster.externalIPRoutes.{ip}: no service lists this externalIP"
+                         for ip in routes if ip not in listed]
         if problems:
             raise LabSpecError(problems, source)
-        return cls(tuple(nodes), tuple(pods), tuple(services), lb)
+        return cls(tuple(nodes), tuple(pods), tuple(services), lb,
+                   str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes)
 
     def to_dict(self) -> dict[str, Any]:
         """The lab-file form; ``LabSpec.from_dict(spec.to_dict()) == spec``."""
@@ -193,6 +236,13 @@ class LabSpec:
         }
         if self.load_balancer is not None:
             d["loadBalancer"] = copy.deepcopy(self.load_balancer)
+        cluster: dict[str, Any] = {}
+        if self.service_cidr != DEFAULT_SERVICE_CIDR:
+            cluster["serviceCIDR"] = self.service_cidr
+        if self.external_ip_routes:
+            cluster["externalIPRoutes"] = dict(self.external_ip_routes)
+        if cluster:
+            d["cluster"] = cluster
         return d
 
     def revalidated(self, **changes: Any) -> LabSpec:
@@ -210,6 +260,15 @@ class LabSpec:
         if not self.load_balancer:
             return None
         return service_ref(self.load_balancer["service"])
+
+    @property
+    def lb_ip_mode(self) -> str:
+        """``loadBalancer.ipMode``: what the LB reports in its ingress (``VIP`` unless set)."""
+        return str((self.load_balancer or {}).get("ipMode") or "VIP")
+
+    def external_ip_node(self, ip: str) -> str:
+        """The node the router sends externalIP *ip* to (``cluster.externalIPRoutes``)."""
+        return self.external_ip_routes.get(ip) or self.nodes[0]
 
 
 def service_key(obj: Mapping[str, Any]) -> str:
@@ -273,6 +332,64 @@ def _labels(raw: Any, where: str, problems: list[str]) -> dict[str, str]:
     return out
 
 
+def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
+                   ) -> tuple[ipaddress.IPv4Network | None, dict[str, str]]:
+    """``cluster``: the service CIDR (None when invalid) and the externalIP routes."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        problems.append("cluster: must be a mapping (serviceCIDR, externalIPRoutes)")
+        return None, {}
+    allowed = ("externalIPRoutes", "serviceCIDR")
+    problems += [f"cluster.{k}: unknown key (expected {', '.join(allowed)})"
+                 for k in sorted(set(map(str, raw)) - set(allowed))]
+    cidr = _parse_service_cidr(raw.get("serviceCIDR", DEFAULT_SERVICE_CIDR), problems)
+    routes: dict[str, str] = {}
+    raw_routes = raw.get("externalIPRoutes") or {}
+    if not isinstance(raw_routes, Mapping):
+        problems.append("cluster.externalIPRoutes: must be a mapping of externalIP to node name")
+        return cidr, routes
+    for ip, node in raw_routes.items():
+        where = f"cluster.externalIPRoutes.{ip}"
+        if not isinstance(ip, str) or _ipv4(ip) is None:
+            problems.append(f"{where}: {ip!r} is not an IPv4 address")
+        elif node not in nodes:
+            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+        else:
+            routes[str(_ipv4(ip))] = node
+    return cidr, routes
+
+
+def _parse_service_cidr(raw: Any, problems: list[str]) -> ipaddress.IPv4Network | None:
+    where = "cluster.serviceCIDR"
+    try:
+        cidr = ipaddress.ip_network(raw) if isinstance(raw, str) else None
+    except ValueError:
+        cidr = None
+    if not isinstance(cidr, ipaddress.IPv4Network):
+        problems.append(f"{where}: {raw!r} is not an IPv4 network (e.g. {DEFAULT_SERVICE_CIDR};"
+                        " host bits must be zero)")
+        return None
+    lo, hi = SERVICE_CIDR_PREFIXES
+    if not lo <= cidr.prefixlen <= hi:
+        problems.append(f"{where}: {cidr} must be between /{lo} and /{hi}")
+        return None
+    for what, net in LAB_NETWORKS.items():
+        if cidr.overlaps(ipaddress.ip_network(net)):
+            problems.append(f"{where}: {cidr} overlaps the lab's {what} {net}")
+            return None
+    return cidr
+
+
+def _ipv4(text: str) -> ipaddress.IPv4Address | None:
+    """A dotted-quad IPv4 address, or None (no IPv6, no leading zeros, as the API server)."""
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return ip if isinstance(ip, ipaddress.IPv4Address) else None
+
+
 def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec]:
     if not isinstance(raw, list):
         problems.append("pods: must be a list")
@@ -328,16 +445,19 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
     return pods
 
 
-def _parse_services(raw: Any, problems: list[str]) -> list[dict[str, Any]]:
+def _parse_services(raw: Any, problems: list[str],
+                    cidr: ipaddress.IPv4Network | None = None) -> list[dict[str, Any]]:
+    """Validate each Service, then what only the set can break (names, ports, clusterIPs)."""
     if not isinstance(raw, list):
         problems.append("services: must be a list of v1 Service objects")
         return []
     out: list[dict[str, Any]] = []
     keys: set[str] = set()
     node_ports: dict[tuple[int, str], str] = {}
+    cluster_ips: dict[str, str] = {}
     for i, obj in enumerate(raw):
         before = len(problems)
-        _validate_service(obj, i, problems)
+        _validate_service(obj, i, problems, cidr)
         if len(problems) != before:
             continue
         key = service_key(obj)
@@ -362,11 +482,28 @@ def _parse_services(raw: Any, problems: list[str]) -> list[dict[str, Any]]:
             if other:
                 problems.append(f"{where}: spec.healthCheckNodePort: {hc} already used by {other}")
             node_ports[(hc, "TCP")] = f"{key} healthCheckNodePort"
+        ip = _given_cluster_ip(spec)
+        if ip and ip != "None":
+            other = cluster_ips.get(ip)
+            if other:
+                fname = "clusterIP" if spec.get("clusterIP") else "clusterIPs[0]"
+                problems.append(f"{where}: spec.{fname}: {ip} is already allocated to {other}")
+            cluster_ips.setdefault(ip, key)
         out.append(copy.deepcopy(dict(obj)))
     return out
 
 
-def _validate_service(obj: Any, i: int, problems: list[str]) -> None:
+def _given_cluster_ip(spec: Mapping[str, Any]) -> str | None:
+    """The clusterIP a lab file asks for (``clusterIP``, else ``clusterIPs[0]``), or None."""
+    ip = spec.get("clusterIP")
+    if not ip:
+        ips = spec.get("clusterIPs")
+        ip = ips[0] if isinstance(ips, list) and ips else None
+    return ip if isinstance(ip, str) and ip else None
+
+
+def _validate_service(obj: Any, i: int, problems: list[str],
+                      cidr: ipaddress.IPv4Network | None = None) -> None:
     """The subset of API-server validation that matters to a proxy."""
     if not isinstance(obj, Mapping):
         problems.append(f"services[{i}]: must be a v1 Service mapping")
@@ -478,6 +615,86 @@ def _validate_service(obj: Any, i: int, problems: list[str]) -> None:
     albnp = spec.get("allocateLoadBalancerNodePorts")
     if albnp is not None and not isinstance(albnp, bool):
         problems.append(f"{where}: spec.allocateLoadBalancerNodePorts: must be true or false")
+    _validate_cluster_ip(spec, stype, where, cidr, problems)
+    _validate_external_ips(spec.get("externalIPs"), stype, where, cidr, problems)
+    if "status" in obj:
+        problems.append(f"{where}: status: written by the lab, not the lab file (the"
+                        " ingress ipMode is loadBalancer.ipMode)")
+
+
+def _validate_cluster_ip(spec: Mapping[str, Any], stype: Any, where: str,
+                         cidr: ipaddress.IPv4Network | None, problems: list[str]) -> None:
+    """``clusterIP``/``clusterIPs`` as the API server judges them, single-stack IPv4."""
+    ip, ips = spec.get("clusterIP"), spec.get("clusterIPs")
+    if ip is not None and not isinstance(ip, str):
+        problems.append(f"{where}: spec.clusterIP: must be a string, got {ip!r}")
+        return
+    if ips is not None:
+        if not isinstance(ips, list) or not all(isinstance(x, str) for x in ips):
+            problems.append(f"{where}: spec.clusterIPs: must be a list of strings")
+            return
+        if len(ips) > 1:
+            problems.append(f"{where}: spec.clusterIPs: the lab is single-stack IPv4: at most"
+                            " one address")
+            return
+        if ip and ips and ips[0] != ip:
+            problems.append(f"{where}: spec.clusterIPs[0]: {ips[0]!r} must equal spec.clusterIP"
+                            f" {ip!r}")
+            return
+    field_name = "clusterIP" if ip else "clusterIPs[0]"
+    ip = _given_cluster_ip(spec)
+    if ip is None:
+        return
+    if stype == "ExternalName":
+        problems.append(f"{where}: spec.{field_name}: must be empty for ExternalName services")
+    elif ip == "None":
+        if stype in ("NodePort", "LoadBalancer"):
+            problems.append(f"{where}: spec.{field_name}: None (headless) is only for ClusterIP"
+                            " services")
+    elif (addr := _ipv4(ip)) is None:
+        problems.append(f"{where}: spec.{field_name}: {ip!r} is not an IPv4 address")
+    elif cidr is not None:
+        if addr not in cidr:
+            problems.append(f"{where}: spec.{field_name}: {ip} is not in the service CIDR"
+                            f" {cidr} (cluster.serviceCIDR)")
+        elif addr in (cidr.network_address, cidr.broadcast_address):
+            problems.append(f"{where}: spec.{field_name}: {ip} is the service CIDR's"
+                            f" {'network' if addr == cidr.network_address else 'broadcast'}"
+                            " address")
+
+
+def _validate_external_ips(raw: Any, stype: Any, where: str,
+                           cidr: ipaddress.IPv4Network | None, problems: list[str]) -> None:
+    """``externalIPs``: plain unicast IPv4 addresses the lab can route to a node."""
+    if raw is None:
+        return
+    if not isinstance(raw, list):
+        problems.append(f"{where}: spec.externalIPs: must be a list of IPv4 addresses")
+        return
+    if raw and stype == "ExternalName":
+        problems.append(f"{where}: spec.externalIPs: not for ExternalName services")
+    seen: set[str] = set()
+    for j, ip in enumerate(raw):
+        fw = f"{where}: spec.externalIPs[{j}]"
+        addr = _ipv4(ip) if isinstance(ip, str) else None
+        if addr is None:
+            problems.append(f"{fw}: {ip!r} is not an IPv4 address")
+            continue
+        if (addr.is_unspecified or addr.is_loopback or addr.is_link_local or addr.is_multicast
+                or addr == ipaddress.IPv4Address("255.255.255.255")):
+            problems.append(f"{fw}: {ip} is not a unicast address the API server accepts")
+            continue
+        inside = [(what, net) for what, net in LAB_NETWORKS.items()
+                  if addr in ipaddress.ip_network(net)]
+        if cidr is not None and addr in cidr:
+            inside.append(("service CIDR", str(cidr)))
+        if inside:
+            what, net = inside[0]
+            problems.append(f"{fw}: {ip} is inside the lab's {what} {net}; pick an address"
+                            " outside the lab's networks (e.g. 203.0.113.10)")
+        elif ip in seen:
+            problems.append(f"{fw}: duplicate externalIP {ip}")
+        seen.add(ip)
 
 
 def _parse_lb(raw: Any, services: list[dict[str, Any]], problems: list[str],
@@ -500,6 +717,8 @@ def _parse_lb(raw: Any, services: list[dict[str, Any]], problems: list[str],
     lb.setdefault("mode", "passthrough")
     if lb["mode"] not in LB_MODES:
         problems.append(f"loadBalancer.mode: must be one of {', '.join(LB_MODES)}")
+    if "ipMode" in lb and lb["ipMode"] not in IP_MODES:
+        problems.append(f"loadBalancer.ipMode: must be VIP or Proxy, got {lb['ipMode']!r}")
     pp = lb.get("proxyProtocol")
     if pp is not None and pp != "none":
         if pp not in ("v1", "v2"):

@@ -13,18 +13,29 @@ instant. Never start processes either: that is ``lab.cluster``'s job.
 
 ::
 
-      client 10.79.0.100 ── eth0 ─┐
+      client 10.79.0.100 ── eth0 ─┐  default via 10.79.0.1; each externalIP via 10.79.0.1
                                   │ 10.79.0.0/24 (the "outside world")
                   eth1 10.79.0.1 ─┤ lb   (router between the client and the nodes;
                   eth0 10.77.0.2 ─┘       the external LB lives here)
-                                  │
+                                  │  each externalIP/32 via its node (cluster.externalIPRoutes)
       sw: br0 ── n1, n2, ..., lb     10.77.0.0/24, the node network
                   │
       nodeI: eth0 10.77.0.(10+I)   ip_forward=1
              cbr0 10.244.I.1/24    the node's pod bridge
-             routes: 10.244.J.0/24 via node J; 10.79.0.0/24 via 10.77.0.2
+             routes: 10.244.J.0/24 via node J; 10.79.0.0/24 via 10.77.0.2;
+                     the service CIDR (10.96.0.0/16) via 10.77.0.2
                   │
       pod:   eth0 10.244.I.(10+K)/24, default via 10.244.I.1
+
+Service VIPs: a pod's default route already takes a ClusterIP (or an
+externalIP, or the LB's ingress IP) to its node, where kpx takes it. A node
+has no default route, so it gets one for the service CIDR, via the router,
+as its default route would send it on a real node: the connect() then
+leaves the socket layer, and whatever kpx installs on the node decides.
+ExternalIPs are routed like a cloud router would route them: the client
+sends them to the lb namespace, which sends each to one node; the node
+accepts it only if kpx makes it local (until then the node has no route
+and the lb namespace no default route, so nothing leaves the lab).
 
 The client's address is outside the node subnet, so it is a genuinely
 external client: every reply to it must be routed back through the lb
@@ -38,7 +49,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+import socket
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +65,14 @@ CLIENT_NET = "10.79.0.0/24"
 LB_CLIENT_IP = "10.79.0.1"
 CLIENT_IP = "10.79.0.100"
 POD_PREFIXLEN = 24
+POD_NETWORK = "10.244.0.0/16"
+"""Every node's pod CIDR (``pod_cidr``) lies in it."""
+LAB_NETWORKS: dict[str, str] = {"node network": NODE_NET, "client network": CLIENT_NET,
+                                "pod network": POD_NETWORK}
+"""The lab's own address space: no service CIDR or externalIP may overlap it."""
+EXTERNAL_IP_PROTO = 177
+"""The route protocol number that marks the lab's externalIP routes, so a later
+``sync_external_ip_routes`` finds (and removes) exactly its own."""
 
 BASE_SYSCTLS: dict[str, str | int] = {
     "net.ipv4.conf.all.rp_filter": 0,
@@ -155,7 +175,7 @@ def _up(ipr: Any, ifname: str, **kw: Any) -> int:
     return idx
 
 
-def build_fabric(plan: Plan) -> None:
+def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
     """Create every infrastructure namespace and wire it (not the pods).
 
     The namespaces must not exist yet. On failure the caller tears down by
@@ -186,6 +206,10 @@ def build_fabric(plan: Plan) -> None:
         client.addr("add", index=_idx(client, "eth0"), address=CLIENT_IP, prefixlen=24)
         _up(client, "eth0")
         client.route("add", dst="0.0.0.0/0", gateway=LB_CLIENT_IP)
+        # The LB answers pods that dial it (a Proxy-mode LB IP, a proxy-mode
+        # LB's own connections back): each node's pod CIDR via that node.
+        for i, _ in enumerate(plan.nodes, start=1):
+            lb.route("add", dst=pod_cidr(i), gateway=node_ip(i))
 
         for i, node in enumerate(plan.nodes, start=1):
             ipr = h[plan.node_ns(node)]
@@ -199,9 +223,36 @@ def build_fabric(plan: Plan) -> None:
                      prefixlen=POD_PREFIXLEN)
             _up(ipr, "cbr0")
             ipr.route("add", dst=CLIENT_NET, gateway=LB_NODE_IP)
+            ipr.route("add", dst=service_cidr, gateway=LB_NODE_IP)
             for j, _ in enumerate(plan.nodes, start=1):
                 if j != i:
                     ipr.route("add", dst=pod_cidr(j), gateway=node_ip(j))
+
+
+def sync_external_ip_routes(plan: Plan, routes: Mapping[str, str]) -> None:
+    """Route each externalIP (``routes``: ip -> node name) from the client and the lb.
+
+    The client sends it to the lb namespace (its router), the lb to the
+    node. Only routes marked ``EXTERNAL_IP_PROTO`` are touched: those no
+    longer wanted are deleted, changed ones replaced, so a ``kpx lab apply``
+    converges without any record of what the last one installed.
+    """
+    want = {
+        plan.client: {ip: LB_CLIENT_IP for ip in routes},
+        plan.lb: {ip: plan.node_ip(node) for ip, node in routes.items()},
+    }
+    with _handles(list(want)) as h:
+        for ns, wanted in want.items():
+            ipr = h[ns]
+            have = {r.get_attr("RTA_DST"): r.get_attr("RTA_GATEWAY")
+                    for r in ipr.get_routes(family=socket.AF_INET, table=254)
+                    if r["proto"] == EXTERNAL_IP_PROTO}
+            for ip in have.keys() - wanted.keys():
+                ipr.route("del", dst=f"{ip}/32", proto=EXTERNAL_IP_PROTO)
+            for ip, gateway in wanted.items():
+                if have.get(ip) != gateway:
+                    ipr.route("replace", dst=f"{ip}/32", gateway=gateway,
+                              proto=EXTERNAL_IP_PROTO)
 
 
 def add_pod(plan: Plan, pod: str, node: str, slot: int) -> str:

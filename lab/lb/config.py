@@ -87,6 +87,13 @@ class LBConfig:
     backends: tuple[Backend, ...]
     status_path: str
     connect_timeout: float = 2.0
+    masquerade_from: tuple[str, ...] = ()
+    """Passthrough: clients in these CIDRs (the pod network) are SNATed to the LB.
+
+    A pod that dials the front (an ipMode Proxy LB IP is not intercepted on
+    its node) would otherwise get the node's reply straight over the pod
+    routes, from ``nodeIP:nodePort`` instead of the front, and reset it: a
+    load balancer that backends can reach hairpins this way."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -96,6 +103,7 @@ class LBConfig:
         raw = json.loads(text)
         raw["probe"] = Probe(**raw["probe"])
         raw["backends"] = tuple(Backend(**b) for b in raw["backends"])
+        raw["masquerade_from"] = tuple(raw.get("masquerade_from", ()))
         return cls(**raw)
 
 
@@ -116,6 +124,7 @@ def resolve(
     backends: Sequence[Backend],
     status_path: str,
     listen_ip: str = FRONT_IP,
+    masquerade_from: Sequence[str] = (),
 ) -> LBConfig:
     """Apply defaults to a lab file's ``loadBalancer`` section and resolve its ports.
 
@@ -196,6 +205,7 @@ def resolve(
             unhealthy_threshold=unhealthy,
         ),
         backends=tuple(backends),
+        masquerade_from=tuple(masquerade_from),
         status_path=status_path,
         connect_timeout=float(connect_timeout),
     )

@@ -33,6 +33,7 @@ from lab.common import write_atomic
 from lab.lb import nft
 from lab.lb.config import Backend, LBConfig, resolve
 from lab.processes import PROJECT_ROOT, child_env
+from lab.topology import POD_NETWORK
 
 log = logging.getLogger("kpx.lb")
 
@@ -147,6 +148,7 @@ def config_for(lab: Any, section: Mapping[str, Any] | None = None) -> LBConfig:
         hc_port=int(lab.hc_port(service) or 0),
         backends=backends,
         status_path=str(Path(lab.run_dir) / STATUS_NAME),
+        masquerade_from=(POD_NETWORK,),
     )
 
 

@@ -57,6 +57,9 @@ def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
     on the nodePort (``probe.port: nodePort``) goes to exactly
     ``nodeIP:nodePort``, so matching the post-DNAT address alone would count
     every probe as a connection the node "got".
+
+    Clients in ``cfg.masquerade_from`` (pods) are SNATed to the LB after
+    being counted, so the node's reply comes back through it.
     """
     counters = "\n".join(f"  counter {counter_name(b.name)} {{ }}" for b in cfg.backends)
     counted = "\n".join(
@@ -64,6 +67,9 @@ def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
         f"counter name \"{counter_name(b.name)}\""
         for b in cfg.backends
     )
+    masquerade = "".join(
+        f"    ip saddr {cidr} meta l4proto tcp {nft_front_match(cfg)} masquerade\n"
+        for cidr in cfg.masquerade_from)
     return (
         f"table ip {NFT_TABLE}\n"
         f"delete table ip {NFT_TABLE}\n"
@@ -75,6 +81,7 @@ def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
         "  chain postrouting {\n"
         "    type nat hook postrouting priority srcnat; policy accept;\n"
         f"{counted}\n"
+        f"{masquerade}"
         "  }\n"
         "}\n" + nft_dnat_rule(cfg, targets) + "\n"
     )

@@ -9,11 +9,16 @@ keeps ClientIP affinity whole.
 from __future__ import annotations
 
 import copy
+import os
+import re
+import signal
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from lab.common import wait_until
 
 pytestmark = pytest.mark.lab
 
@@ -74,3 +79,44 @@ def test_affinity_holds_across_workers_and_plain_traffic_spreads(
             break
     assert len(seen) >= 2, f"no spread without affinity: {dict(seen)}"
     assert lab.request("node1", "127.0.0.1", port)["pod"].startswith("web-")
+
+
+def test_workers_share_the_vip_listener_keep_affinity_and_clean_up(
+    lab_factory: Callable[..., Any],
+) -> None:
+    """Both workers serve the ClusterIP through one reuseport port; the last one out cleans up.
+
+    As for the NodePort above, one connection from another client first moves
+    one worker's cursor: without steering by client IP, node2's connections
+    would reach both workers and so more than one pod.
+    """
+    spec = _three_pods(affinity=True)
+    spec["pods"].append({"name": "c2", "node": "node2", "labels": {"app": "client"},
+                         "port": 8080})
+    lab = lab_factory(spec, extra_proxy_args=("--workers", "2"))
+    cip = lab.cluster_ip("default/web")
+    wait_until(lambda: "service VIPs in force" in lab.proxy_log("node2"), 5.0)
+    workers = _worker_pids(lab, "node2")
+    assert len(workers) == 2
+    listening = lab.run("node2", ["ss", "-Hltnp"]).stdout
+    ports: dict[int, set[int]] = {}
+    for ln in listening.splitlines():
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", ln)}
+        if pids & set(workers) and ln.split()[3].startswith("0.0.0.0:"):
+            ports.setdefault(int(ln.split()[3].rsplit(":", 1)[1]), set()).update(pids)
+    vip_port = [p for p, pids in ports.items() if pids == set(workers)]
+    assert vip_port, f"no port both workers listen on: {listening}"
+
+    lab.request("c2", cip, 80)
+    pods = Counter(lab.request("node2", cip, 80)["pod"] for _ in range(15))
+    assert len(pods) == 1, f"affinity broke across workers: {dict(pods)}"
+
+    pid = lab.proxy_pid("node2")
+    os.kill(pid, signal.SIGINT)
+    try:
+        wait_until(lambda: not lab.proxy_alive("node2"), 10.0)
+    finally:
+        lab.procs.reap(pid)
+    routes = lab.run("node2", ["ip", "-4", "route", "show", "table", "local", "proto", "107"])
+    assert routes.stdout.strip() == "", routes.stdout
+    assert lab.run("node2", ["nft", "list", "table", "ip", "kpx_vips"]).returncode != 0
