@@ -45,6 +45,7 @@ class BackendSet:
 BACKENDS = {
     "local": BackendSet(POD1_IP, "pod1-a"),
     "cross": BackendSet(POD2_IP, "pod2"),
+    "clusterip": BackendSet(POD2_IP, "pod2"),  # the ClusterIP's endpoint is on node2
 }
 ALT_LOCAL = BackendSet(POD1_ALT_IP, "pod1-b")
 

@@ -32,6 +32,8 @@ from bench.workloads import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PATHS = ("local", "cross")
+"""The default paths; ``--paths`` also takes ``clusterip``."""
+ALL_PATHS = (*PATHS, "clusterip")
 TOOLS = {"ip": "iproute2", "nft": "nftables", "haproxy": "haproxy", "wrk": "wrk",
          "iperf3": "iperf3", "sysctl": "procps"}
 
@@ -64,9 +66,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"comma list of {','.join(CONTENDER_ORDER)} (default: all)")
     parser.add_argument("--runs", type=int, metavar="N",
                         help="runs per contender and workload (default 3, quick 1)")
-    parser.add_argument("--paths", type=_csv(PATHS), metavar="LIST",
-                        help="local (endpoint on node1), cross (endpoint behind node2, SNAT); "
-                             "default both, quick local")
+    parser.add_argument("--paths", type=_csv(ALL_PATHS), metavar="LIST",
+                        help="local (endpoint on node1), cross (endpoint behind node2, SNAT), "
+                             "clusterip (a pod on node1 dials the service's ClusterIP, "
+                             "endpoint behind node2); default local,cross, quick local")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",
                         help=f"where the JSON and PNGs go (default {RESULTS_DIR})")
     parser.add_argument("--pause", type=float, metavar="S",

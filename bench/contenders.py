@@ -33,6 +33,7 @@ from bench.topology import (
     NODE2_IP,
     POD1_IP,
     POD2_IP,
+    SERVICE_VIP,
     CommandError,
     Topology,
     listening_ports,
@@ -41,6 +42,15 @@ from bench.topology import (
 from lab.common import poll, write_atomic
 
 NFT_TABLE = "kpxbench"
+VIP_PORTS = (80, BULK_PORT, IPERF_PORT)
+"""The bench service's ports on its ClusterIP (http, bulk, iperf3): the same for every
+contender on the clusterip path, as a ClusterIP is one address for the whole cluster."""
+
+
+def client_role(path: str) -> str:
+    """Where the load comes from: a pod on node1 (pod1) dials a ClusterIP; an
+    outside client dials a NodePort (or, for direct, the pod)."""
+    return "pod1" if path == "clusterip" else "client"
 
 
 class ContenderError(RuntimeError):
@@ -94,7 +104,13 @@ class Contender:
         return None
 
     def target(self) -> Target:
+        if self.path == "clusterip":
+            return Target(SERVICE_VIP, *VIP_PORTS)
         return Target(NODE1_IP, self.port_base, self.port_base + 1, self.port_base + 3)
+
+    @property
+    def client_role(self) -> str:
+        return client_role(self.path)
 
     def backend(self) -> BackendSet:
         return BACKENDS[self.path]
@@ -119,7 +135,7 @@ class Contender:
         last = ""
         for _ in range(3):
             try:
-                got = self.topo.thread("client").call(http_get, t.ip, t.http_port)
+                got = self.topo.thread(self.client_role).call(http_get, t.ip, t.http_port)
             except OSError as e:
                 last = f"GET http://{t.ip}:{t.http_port}/ failed: {e}"
                 continue
@@ -166,15 +182,21 @@ class Kernel(Contender):
     port_base = 30100
 
     def ruleset(self) -> str:
+        """DNAT of the front address (node1's IP, or the ClusterIP) + masquerade.
+
+        On the clusterip path the same rules are keyed on the VIP (DNAT in
+        prerouting, before routing: no local address needed), masquerade kept
+        as on the NodePort paths.
+        """
         b = self.backend().http_ip
         t = self.target()
         return (
             f"table ip {NFT_TABLE} {{\n"
             "  chain pre {\n"
             "    type nat hook prerouting priority dstnat; policy accept;\n"
-            f"    ip daddr {NODE1_IP} tcp dport {t.http_port} dnat to {b}:{HTTP_PORT}\n"
-            f"    ip daddr {NODE1_IP} tcp dport {t.bulk_port} dnat to {b}:{BULK_PORT}\n"
-            f"    ip daddr {NODE1_IP} tcp dport {t.iperf_port} dnat to {b}:{IPERF_PORT}\n"
+            f"    ip daddr {t.ip} tcp dport {t.http_port} dnat to {b}:{HTTP_PORT}\n"
+            f"    ip daddr {t.ip} tcp dport {t.bulk_port} dnat to {b}:{BULK_PORT}\n"
+            f"    ip daddr {t.ip} tcp dport {t.iperf_port} dnat to {b}:{IPERF_PORT}\n"
             "  }\n"
             "  chain post {\n"
             "    type nat hook postrouting priority srcnat; policy accept;\n"
@@ -201,11 +223,28 @@ class ProcessContender(Contender):
     def __init__(self, topo: Topology, log_dir: Path) -> None:
         super().__init__(topo, log_dir)
         self.proc: Proc | None = None
+        self._vip_route = False
+
+    def add_vip_route(self) -> None:
+        """On the clusterip path, make the VIP local to node1 so the proxy can bind it
+        (what kpx does for itself: a ``local`` route on lo)."""
+        if self.path != "clusterip":
+            return
+        try:
+            self.topo.ip("node1", "route", "replace", "local", f"{SERVICE_VIP}/32", "dev", "lo",
+                         "table", "local")
+        except CommandError as e:
+            raise ContenderError(f"local route for {SERVICE_VIP}: {e}") from e
+        self._vip_route = True
 
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
             self.proc = None
+        if self._vip_route:
+            self.topo.ip("node1", "route", "del", "local", f"{SERVICE_VIP}/32", "dev", "lo",
+                         "table", "local", check=False)
+            self._vip_route = False
 
     def pids(self) -> list[int]:
         return self.proc.tree() if self.proc else []
@@ -244,17 +283,17 @@ class HAProxy(ProcessContender):
             "    timeout client 10m",
             "    timeout server 10m",
             "frontend fe_http",
-            f"    bind {NODE1_IP}:{t.http_port}",
+            f"    bind {t.ip}:{t.http_port}",
             "    default_backend be_http",
             "backend be_http",
             f"    server pod {b}:{HTTP_PORT}",
             "frontend fe_bulk",
-            f"    bind {NODE1_IP}:{t.bulk_port}",
+            f"    bind {t.ip}:{t.bulk_port}",
             "    default_backend be_bulk",
             "backend be_bulk",
             f"    server pod {b}:{BULK_PORT}",
             "frontend fe_iperf",
-            f"    bind {NODE1_IP}:{t.iperf_port}",
+            f"    bind {t.ip}:{t.iperf_port}",
             "    default_backend be_iperf",
             "backend be_iperf",
             f"    server pod {b}:{IPERF_PORT}",
@@ -264,6 +303,7 @@ class HAProxy(ProcessContender):
         super().start(path)
         cfg = self.log_dir / f"haproxy-{path}.cfg"
         cfg.write_text(self.config())
+        self.add_vip_route()
         self.proc = Proc(f"haproxy-{path}",
                          self.topo.exec_argv("node1", ["haproxy", "-db", "-f", str(cfg)]),
                          self.log_dir, nofile=nofile_hard_limit()).start()
@@ -280,9 +320,10 @@ class Naive(ProcessContender):
         super().start(path)
         b = self.backend().http_ip
         t = self.target()
-        specs = [f"{NODE1_IP}:{t.http_port}={b}:{HTTP_PORT}",
-                 f"{NODE1_IP}:{t.bulk_port}={b}:{BULK_PORT}",
-                 f"{NODE1_IP}:{t.iperf_port}={b}:{IPERF_PORT}"]
+        specs = [f"{t.ip}:{t.http_port}={b}:{HTTP_PORT}",
+                 f"{t.ip}:{t.bulk_port}={b}:{BULK_PORT}",
+                 f"{t.ip}:{t.iperf_port}={b}:{IPERF_PORT}"]
+        self.add_vip_route()
         self.proc = Proc(f"naive-{path}",
                          self.topo.exec_argv("node1", [sys.executable, "-m", "bench.naive_proxy",
                                                        *specs]),
@@ -299,14 +340,16 @@ def bench_state(path: str, http_node_port: int, bulk_node_port: int,
     to ``http_node_port + 3``, the contender's iperf front port).
     """
     ep = k8s_state.Ep(POD1_IP, "node1") if path == "local" else k8s_state.Ep(POD2_IP, "node2")
+    http, bulk, iperf = VIP_PORTS
     svc = k8s_state.ServiceSpec(
         name="bench",
-        ports=(k8s_state.Port("http", 80, HTTP_PORT, http_node_port),
-               k8s_state.Port("bulk", BULK_PORT, BULK_PORT, bulk_node_port),
-               k8s_state.Port("iperf", IPERF_PORT, IPERF_PORT,
+        ports=(k8s_state.Port("http", http, HTTP_PORT, http_node_port),
+               k8s_state.Port("bulk", bulk, BULK_PORT, bulk_node_port),
+               k8s_state.Port("iperf", iperf, IPERF_PORT,
                               iperf_node_port or http_node_port + 3)),
         endpoints=(ep,),
         etp=etp,
+        cluster_ip=SERVICE_VIP,
     )
     return k8s_state.render([("node1", NODE1_IP), ("node2", NODE2_IP)], [svc, *(extra or [])])
 
@@ -372,12 +415,34 @@ class Kpx(ProcessContender):
     def start(self, path: str, state: str | None = None) -> None:
         super().start(path)
         t = self.target()
+        # NodePorts are the contender's own ports on every path; the ClusterIP's
+        # ports (VIP_PORTS) are what the clusterip path's target dials.
         write_atomic(self.state_path,
-                               state or bench_state(path, t.http_port, t.bulk_port,
-                                                    etp=self.etp))
+                     state or bench_state(path, self.port_base, self.port_base + 1,
+                                          etp=self.etp))
         self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
                          self.log_dir, nofile=nofile_hard_limit()).start()
-        self.wait_listening(self.proc, {t.http_port, t.bulk_port}, self.start_timeout)
+        if path != "clusterip":
+            self.wait_listening(self.proc, {t.http_port, t.bulk_port}, self.start_timeout)
+            return
+        # kpx listens on its NodePorts, but not on the VIP: ready once a GET
+        # through the VIP answers (the routes and rules are put in force after
+        # the first sync, in the background).
+        self.wait_listening(self.proc, {self.port_base, self.port_base + 1}, self.start_timeout)
+        proc = self.proc
+
+        def answers() -> bool:
+            if not proc.alive():
+                return True
+            try:
+                self.topo.thread(self.client_role).call(http_get, t.ip, t.http_port, 0.5)
+            except OSError:
+                return False
+            return True
+
+        if not poll(answers, self.start_timeout, 0.05) or not proc.alive():
+            raise ContenderError(f"{self.name}: no answer through {t.ip}:{t.http_port} after "
+                                 f"{self.start_timeout:.0f}s: {proc.why()}")
 
 
 class KpxWorkers(Kpx):

@@ -55,7 +55,13 @@ from bench.contenders import ContenderError, Kpx, bench_state, http_get
 from bench.prober import ProbeProcess, ProbeSeries, ProbeTarget, probe_open_loop
 from bench.procs import cpu_seconds, nofile_hard_limit
 from bench.results import Run
-from bench.topology import NODE1_IP, POD1_ALT_IP, POD1_IP, POD2_IP, listening_ports
+from bench.topology import (
+    NODE1_IP,
+    POD1_ALT_IP,
+    POD1_IP,
+    POD2_IP,
+    listening_ports,
+)
 from lab.common import poll, write_atomic
 
 CONV_NODE_PORT = 30402
@@ -63,6 +69,7 @@ CONV_NAMES = ("pod1-a", "pod1-b")
 HEALTHZ_PORT = 10256
 STALL_FD_RESERVE = 4000
 """Descriptors kept free beside the stall state's listeners: probe relays (2 each)."""
+VIPS_LOG = re.compile(r"service VIPs in force \(generation \d+\): (\d+) VIPs")
 SYNC_LOG = re.compile(r"generation \d+|\bsync\w* .*\d|\bappl\w* .*\d", re.I)
 """kpx's own account of a state load, recorded beside the externally timed apply."""
 
@@ -79,6 +86,8 @@ class ControlSettings:
     change_timeout: float = 10.0
     seed: int = 5
     pause_range: tuple[float, float] = (0.05, 0.25)
+    cluster_ips: bool = True
+    """Also apply each size with every service having a clusterIP (``apply-cip-N``)."""
     stall_services: int = 50000
     """0 skips the stall workload."""
     stall_node_ports: int = 10000
@@ -113,8 +122,10 @@ class Control:
 
     # ---- state rendering ---------------------------------------------------------
 
-    def state(self, n: int, conv: str | None = None) -> str:
-        extra = k8s_state.many_services(n, self.cs.first_port, self.eps, HTTP_PORT)
+    def state(self, n: int, conv: str | None = None, cluster_ips: bool = False) -> str:
+        """The bench service + ``n`` NodePort services (each with a clusterIP if asked)."""
+        extra = k8s_state.many_services(n, self.cs.first_port, self.eps, HTTP_PORT,
+                                        cluster_ips=cluster_ips)
         if conv is not None:
             ip = POD1_IP if conv == "pod1-a" else POD1_ALT_IP
             extra.append(k8s_state.ServiceSpec(
@@ -129,9 +140,16 @@ class Control:
     # ---- observations ------------------------------------------------------------
 
     def listening_in_range(self, n: int) -> int:
+        """Listeners in node1 on the N NodePorts."""
         lo, hi = self.cs.first_port, self.cs.first_port + n
         ports = self.topo.thread("node1").call(listening_ports)
         return sum(1 for p in ports if lo <= p < hi)
+
+    def vips_in_force(self) -> int:
+        """How many VIPs kpx last reported in force (routes and nft table written), from its log."""
+        text = self.kpx.proc.tail(400, 60000) if self.kpx.proc else ""
+        found = VIPS_LOG.findall(text)
+        return int(found[-1]) if found else 0
 
     def _dead(self) -> str | None:
         return self.kpx.alive_problem()
@@ -143,9 +161,11 @@ class Control:
 
     # ---- measurements ------------------------------------------------------------
 
-    def wait_count(self, n: int, done: Callable[[int], bool], interval: float
-                   ) -> tuple[bool, int]:
+    def wait_count(self, n: int, done: Callable[[int], bool], interval: float,
+                   vips: int = 0) -> tuple[bool, int]:
         """Poll the listener count until ``done(count)``, kpx dies, or progress stalls.
+
+        ``vips``: also until kpx reports at least that many VIPs in force.
 
         A stall (no change for ``stall_timeout``) ends the wait early: kpx
         that hit EMFILE, say, would otherwise burn the whole apply timeout.
@@ -155,7 +175,7 @@ class Control:
         while True:
             count = self.listening_in_range(n)
             now = time.monotonic()
-            if done(count):
+            if done(count) and (not vips or self.vips_in_force() >= vips):
                 return True, count
             if count != last:
                 last, last_change = count, now
@@ -188,32 +208,51 @@ class Control:
                     f"{self._log_hint()}")
         return None
 
-    def apply(self, n: int) -> Run:
+    def apply(self, n: int, cluster_ips: bool = False) -> Run:
+        """Apply N NodePort services; with ``cluster_ips`` each also has a clusterIP.
+
+        Done when every NodePort listens and, with clusterIPs, kpx reports
+        all of them in force (routes and nft table written: its "service VIPs
+        in force" line, polled with the listeners). The VIPs share one
+        listener, so N services with clusterIPs still need N + 1 descriptors.
+        """
         err = self.clear(n)
         if err:
             return Run.failed(f"before apply: {err}")
-        text = self.state(n)
+        cips = k8s_state.many_cluster_ips(n) if cluster_ips else []
+        text = self.state(n, cluster_ips=cluster_ips)
         time.sleep(0.3)
         t0 = self.write(text)
         interval = 0.01
-        ok, count = self.wait_count(n, lambda c: c >= n, interval)
+        ok, count = self.wait_count(n, lambda c: c >= n, interval, len(cips))
         elapsed = time.monotonic() - t0
         detail: dict[str, Any] = {"services": n, "endpoints_per_service": len(self.eps),
+                                  "node_ports": n, "cluster_ips": len(cips),
+                                  "nofile_hard_limit": nofile_hard_limit(),
                                   "poll_interval_s": interval,
                                   "state_bytes": len(text.encode())}
         if self._dead():
             return Run.failed(str(self._dead()), **detail)
         if not ok:
-            return Run.failed(f"only {count} of {n} NodePorts listening after "
+            return Run.failed(f"only {count} of {n} NodePorts listening, "
+                              f"{self.vips_in_force()} VIPs in force after "
                               f"{elapsed:.0f}s{self._log_hint()}", **detail)
+        vips = frozenset(cips)
+        node_ports = n
         names = {"pod1-a", "pod1-b", "pod2"}
-        for port in (self.cs.first_port, self.cs.first_port + n - 1):
+        checks = [(NODE1_IP, self.cs.first_port),
+                  (NODE1_IP, self.cs.first_port + node_ports - 1)]
+        if cips:
+            # From a pod on node1, as a ClusterIP is meant to be reached.
+            checks += [(cips[0], 80), (cips[-1], 80)]
+        for ip, port in checks:
+            role = "pod1" if ip in vips else "client"
             try:
-                got = self.topo.thread("client").call(http_get, NODE1_IP, port)
+                got = self.topo.thread(role).call(http_get, ip, port)
             except OSError as e:
-                return Run.failed(f"GET through new NodePort {port} failed: {e}", **detail)
+                return Run.failed(f"GET through new {ip}:{port} failed: {e}", **detail)
             if got not in names:
-                return Run.failed(f"NodePort {port} answered {got!r}", **detail)
+                return Run.failed(f"{ip}:{port} answered {got!r}", **detail)
         detail["kpx_log"] = self._last_sync_line()
         return Run(ok=True, metrics={"apply_s": elapsed}, detail=detail)
 
@@ -361,6 +400,8 @@ class Control:
             return None
 
 
+
+
 def _series_detail(ser: ProbeSeries) -> dict[str, Any]:
     lat = ser.latencies_ms
     return {"probes": ser.sent, "timeouts": ser.timeouts, "errors": len(ser.errors),
@@ -385,6 +426,7 @@ def run_control(kpx: Kpx, cs: ControlSettings, runs: int,
     10,000-service apply (EMFILE, say) cannot spoil the convergence figure.
     """
     workloads = [w for n in cs.sizes for w in (f"apply-{n}", f"idle-{n}")]
+    workloads += [f"apply-cip-{n}" for n in cs.sizes if cs.cluster_ips]
     for r in range(runs):
         on_step(f"control round {r + 1}/{runs}: starting kpx")
         try:
@@ -403,6 +445,10 @@ def run_control(kpx: Kpx, cs: ControlSettings, runs: int,
                     on_step(f"control round {r + 1}/{runs}: idle CPU with {n} services")
                     on_run(f"idle-{n}", r,
                            ctl.idle(n) if run.ok else Run.failed(f"apply {n} failed"))
+                    if cs.cluster_ips:
+                        on_step(f"control round {r + 1}/{runs}: apply {n} services with "
+                                f"clusterIPs")
+                        on_run(f"apply-cip-{n}", r, ctl.apply(n, cluster_ips=True))
             finally:
                 kpx.stop()
         if cs.stall_services > 0:

@@ -65,9 +65,22 @@ def cluster_ip(index: int) -> str:
     return f"10.{96 + (n >> 16)}.{(n >> 8) & 255}.{n & 255}"
 
 
+AUTO = ""
+"""``ServiceSpec.cluster_ip`` default: the render index's address (``cluster_ip(index)``)."""
+CIP_BASE_INDEX = 20000
+"""First ``cluster_ip`` index of ``many_services(..., cluster_ips=True)``: clear of the
+render indexes (0 is the bench service, 10.96.0.10) of any state the bench writes."""
+
+
 def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluster",
-                svc_type: str = "NodePort") -> str:
-    """A Service; ``svc_type="ClusterIP"`` has no nodePort and no traffic policy."""
+                svc_type: str = "NodePort", cip: str | None = AUTO) -> str:
+    """A Service; ``svc_type="ClusterIP"`` has no nodePort and no traffic policy.
+
+    ``cip``: AUTO is ``cluster_ip(index)``, None leaves ``spec.clusterIP`` out
+    (a service kpx serves on its NodePorts only), anything else is the address.
+    """
+    if cip == AUTO:
+        cip = cluster_ip(index)
     lines = [
         "apiVersion: v1",
         "kind: Service",
@@ -76,8 +89,9 @@ def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluste
         f"  namespace: {NAMESPACE}",
         "spec:",
         f"  type: {svc_type}",
-        f"  clusterIP: {cluster_ip(index)}",
     ]
+    if cip is not None:
+        lines.append(f"  clusterIP: {cip}")
     if svc_type != "ClusterIP":
         lines.append(f"  externalTrafficPolicy: {etp}")
     lines += ["  selector:", f"    app: {name}", "  ports:"]
@@ -128,28 +142,51 @@ class ServiceSpec:
     endpoints: tuple[Ep, ...]
     etp: str = "Cluster"
     type: str = "NodePort"
+    cluster_ip: str | None = AUTO
+    """AUTO: ``cluster_ip(render index)``; None: no clusterIP; else this address."""
 
 
 def render(nodes: Iterable[tuple[str, str]], services: Iterable[ServiceSpec]) -> str:
     """A whole state: nodes (name, InternalIP) then each service with its slice."""
     docs = [node_doc(n, ip) for n, ip in nodes]
     for i, s in enumerate(services):
-        docs.append(service_doc(s.name, i, s.ports, s.etp, s.type))
+        docs.append(service_doc(s.name, i, s.ports, s.etp, s.type, s.cluster_ip))
         docs.append(slice_doc(s.name, s.endpoints, s.ports))
     return "---\n".join(docs)
 
 
 def many_services(count: int, first_node_port: int, endpoints: tuple[Ep, ...],
-                  target: int) -> list[ServiceSpec]:
-    """``count`` one-port NodePort services on consecutive nodePorts (control workload)."""
+                  target: int, cluster_ips: bool | None = None) -> list[ServiceSpec]:
+    """``count`` one-port NodePort services on consecutive nodePorts (control workload).
+
+    ``cluster_ips``: None gives each the clusterIP of its render index (AUTO);
+    False none (kpx serves their NodePorts only); True service i gets
+    ``many_cluster_ips(count)[i]``, addresses the caller knows in advance.
+    """
+    cips: list[str | None]
+    if cluster_ips is None:
+        cips = [AUTO] * count
+    elif cluster_ips:
+        cips = list(many_cluster_ips(count))
+    else:
+        cips = [None] * count
     return [
         ServiceSpec(
             name=f"svc-{i:05d}",
             ports=(Port("http", 80, target, first_node_port + i),),
             endpoints=endpoints,
+            cluster_ip=cips[i],
         )
         for i in range(count)
     ]
+
+
+def many_cluster_ips(count: int) -> list[str]:
+    """The clusterIPs ``many_services(count, ..., cluster_ips=True)`` gives, in order."""
+    if CIP_BASE_INDEX + count + 10 > 1 << 16:
+        raise ValueError(f"{count} clusterIPs do not fit 10.96.0.0/16 from index "
+                         f"{CIP_BASE_INDEX}")
+    return [cluster_ip(CIP_BASE_INDEX + i) for i in range(count)]
 
 
 def cluster_ip_services(count: int, endpoints: tuple[Ep, ...], target: int,

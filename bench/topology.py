@@ -57,6 +57,8 @@ NODE1_LINK_IP = "10.90.3.1"
 NODE2_IP = "10.90.3.2"
 NODE2_POD_GW = "10.90.4.1"
 POD2_IP = "10.90.4.2"
+SERVICE_VIP = "10.96.0.10"
+"""The bench service's ClusterIP (``k8s_state.cluster_ip(0)``: it is rendered first)."""
 
 # Node ephemeral ports stay above every port a proxy listens on (bench ports
 # 30000-31999, control NodePorts 20000-29999), so an upstream connect can never
@@ -351,6 +353,8 @@ class Topology:
             "paths": {
                 "local": "client -> node1 -> pod1 (endpoint on node1)",
                 "cross": "client -> node1 -> node2 -> pod2 (endpoint on node2, SNAT)",
+                "clusterip": f"pod1 -> {SERVICE_VIP} in node1 -> node2 -> pod2 (a pod on "
+                             f"node1 dials the ClusterIP; endpoint on node2)",
             },
         }
 

@@ -72,9 +72,10 @@ class Settings:
         )
 
 
-def _client(topo: Topology, argv: list[str], timeout: float
+def _client(topo: Topology, c: Contender, argv: list[str], timeout: float
             ) -> subprocess.CompletedProcess[str]:
-    return sh(topo.exec_argv("client", argv), check=False, timeout=timeout)
+    """Run the load generator where the path's client is (a pod on node1 for clusterip)."""
+    return sh(topo.exec_argv(c.client_role, argv), check=False, timeout=timeout)
 
 
 def _socket_states(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
@@ -122,7 +123,7 @@ def bulk(topo: Topology, c: Contender, s: Settings) -> Run:
     if s.bulk_tool == "iperf3":
         return _bulk_iperf3(topo, c, s)
     try:
-        cp = _client(topo, [sys.executable, "-m", "bench.bulk", "source", "--host", t.ip,
+        cp = _client(topo, c, [sys.executable, "-m", "bench.bulk", "source", "--host", t.ip,
                             "--port", str(t.bulk_port), "--seconds", str(secs)], secs + 90)
     except CommandError as e:
         return Run.failed(f"bulk sender: {e}")
@@ -143,7 +144,7 @@ def _bulk_iperf3(topo: Topology, c: Contender, s: Settings) -> Run:
     t = c.target()
     secs = s.durations["bulk"]
     try:
-        cp = _client(topo, ["iperf3", "-c", t.ip, "-p", str(t.iperf_port), "-t", f"{secs:g}",
+        cp = _client(topo, c, ["iperf3", "-c", t.ip, "-p", str(t.iperf_port), "-t", f"{secs:g}",
                             "-J"], secs + 60)
         r = parse_iperf3(cp.stdout)
     except (CommandError, ParseError) as e:
@@ -166,7 +167,7 @@ def _wrk(topo: Topology, c: Contender, s: Settings, workload: str) -> Run:
         argv += ["-H", "Connection: close"]
     argv.append(f"http://{t.ip}:{t.http_port}/")
     try:
-        cp = _client(topo, argv, secs + 60)
+        cp = _client(topo, c, argv, secs + 60)
     except CommandError as e:
         return Run.failed(f"wrk: {e}")
     try:
@@ -200,8 +201,8 @@ def rr(topo: Topology, c: Contender, s: Settings) -> Run:
 
 def cps(topo: Topology, c: Contender, s: Settings) -> Run:
     """New connection per request; TIME_WAIT per namespace recorded before and after."""
-    pod = "pod1" if c.path == "local" else "pod2"
-    roles = ("client", "node1", pod)
+    pod = "pod1" if c.path == "local" else "pod2"  # the backend's namespace
+    roles = tuple(dict.fromkeys((c.client_role, "node1", pod)))
     before = _socket_states(topo, roles)
     run = _wrk(topo, c, s, "cps")
     run.detail["time_wait_before"] = _time_wait(before)
@@ -234,7 +235,7 @@ def mem(topo: Topology, c: Contender, s: Settings) -> Run:
     time.sleep(0.2)
     rss0 = rss_bytes(c.pids())
     proc = subprocess.Popen(
-        topo.exec_argv("client", [sys.executable, "-m", "bench.memclient", "--host", t.ip,
+        topo.exec_argv(c.client_role, [sys.executable, "-m", "bench.memclient", "--host", t.ip,
                                   "--port", str(t.http_port), "-n", str(n)]),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: raise_nofile(nofile_hard_limit()),
