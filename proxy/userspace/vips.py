@@ -552,8 +552,8 @@ class LocalVIPs:
     re-checks the last wanted set and puts back only what is missing (the
     owner's guard, every sync period). ``remove_all`` (exit) deletes every
     kpx VIP route and restores the ARP settings, unless another kpx is
-    present. Every change holds the namespace's routing lock. The ``*_async``
-    twins run on the event loop without blocking it.
+    present. Every change holds the namespace's routing lock. ``sync_async``
+    and ``ensure_async`` run on the event loop without blocking it.
     """
 
     def __init__(self, *, base: str = BASE_NAME, proto: int = VIP_PROTO,
@@ -684,21 +684,6 @@ class LocalVIPs:
                 if self._left_to_others():
                     return False
                 removed = _drive(_remove_steps(self.proto, self.nft_table))
-                restored = self._restore_arp()
-        finally:
-            self._release()
-        if removed or restored:
-            log.info("service VIPs removed: %d route(s)%s", len(removed),
-                     f"; restored {', '.join(restored)}" if restored else "")
-        return True
-
-    async def remove_all_async(self) -> bool:
-        """``remove_all`` on the running loop."""
-        try:
-            async with routing_lock_async(self.base):
-                if self._left_to_others():
-                    return False
-                removed = await _drive_async(_remove_steps(self.proto, self.nft_table))
                 restored = self._restore_arp()
         finally:
             self._release()

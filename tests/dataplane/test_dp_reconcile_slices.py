@@ -9,7 +9,6 @@ meet anyone else's ports), removed pass or fail.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 from bench import k8s_state
 from lab.common import eventually
@@ -18,7 +17,7 @@ from proxy.k8s import parse_state
 from proxy.proxier import Proxier
 from proxy.userspace.dataplane import RECONCILE_BATCH, Dataplane
 from tests.support.loops import run_on
-from tests.support.netns import in_netns, prefix
+from tests.support.netns import in_fresh_netns
 from tests.support.wiring import sync_config
 
 NODE = "n1"
@@ -63,10 +62,4 @@ async def slices_then_supersede() -> None:
 
 
 def test_big_sync_yields_between_slices_and_a_newer_one_wins(loop_kind: str) -> None:
-    ns = f"{prefix()}slices"
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        in_netns(ns, run_on, loop_kind, slices_then_supersede, 60.0)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+    in_fresh_netns("slices", run_on, loop_kind, slices_then_supersede, 60.0)

@@ -25,7 +25,7 @@ from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.vips import LISTEN_ADDRESS, NFT_TABLE, VIP_PROTO, LocalVIPs
 from tests.support.loops import run_on
 from tests.support.model import endpoint, endpoint_slice, service, snapshot
-from tests.support.netns import in_netns, prefix
+from tests.support.netns import in_fresh_netns, prefix
 
 NODE = "node-a"
 VIP = "10.96.0.10"
@@ -141,13 +141,7 @@ async def scenario() -> None:
 
 @pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
 def test_a_clusterip_is_served_dropped_and_removed(loop_kind: str) -> None:
-    ns = f"{prefix()}vipdp"
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        in_netns(ns, run_on, loop_kind, scenario, 30.0)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+    in_fresh_netns("vipdp", run_on, loop_kind, scenario, 30.0)
 
 
 async def successor_scenario() -> None:
@@ -183,10 +177,4 @@ async def successor_scenario() -> None:
 
 
 def test_a_successor_takes_the_vip_listener_over() -> None:
-    ns = f"{prefix()}vipho"
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        in_netns(ns, run_on, "uvloop", successor_scenario, 30.0)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+    in_fresh_netns("vipho", run_on, "uvloop", successor_scenario, 30.0)

@@ -68,6 +68,17 @@ def in_netns(ns: str, fn, *args):
     return out["v"]
 
 
+def in_fresh_netns(tag: str, fn, *args):
+    """Run ``fn(*args)`` (``in_netns``) in a new namespace with ``lo`` up, removed after."""
+    ns = f"{prefix()}{tag}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        return in_netns(ns, fn, *args)
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
 def socket_in(ns: str) -> socket.socket:
     return in_netns(ns, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
 
