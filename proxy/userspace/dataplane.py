@@ -43,6 +43,8 @@ of them, as in kube-proxy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import ipaddress
 import logging
 import resource
@@ -89,23 +91,20 @@ Wanted = tuple[PlanKey, str]
 """A wanted listener's plan key and SYN filter: ``""`` or ``"external"``."""
 
 
-class VIPSets(NamedTuple):
-    """What the VIP plans ask of the node's nft table (``vips.Interception`` but its port)."""
-
-    served: frozenset[VIPPort]
-    drop_all: frozenset[VIPPort]
-    drop_external: frozenset[VIPPort]
-    affinity: bool
-    """Some served VIP port has ClientIP affinity: ``--workers`` steer by client IP."""
+VIPWant = tuple[Interception, bool, VIPTarget]
+"""What one sync asks of the VIPs: the rules its plans want, whether a served port has
+ClientIP affinity (``--workers`` then steer by client IP), and the target to put in force."""
 
 
-def vip_sets(plans: Mapping[PlanKey, PortPlan]) -> VIPSets:
+def vip_rules(plans: Mapping[PlanKey, PortPlan],
+              passed: tuple[str, ...] = ()) -> tuple[Interception, bool]:
     """Sort the VIP plans into served, dropped and (by leaving them out) rejected ports (pure).
 
     No endpoint anywhere (``plan.listen`` False): in no set, so the table
     rejects it. A ClusterIP with iTP=Local and nothing here: ``drop_all``. An
     external VIP with eTP=Local and nothing here: ``drop_external`` *and*
-    ``served``, since pods and the node still get Cluster semantics.
+    ``served``, since pods and the node still get Cluster semantics. The
+    second value: some served port has ClientIP affinity.
     """
     served: set[VIPPort] = set()
     drop_all: set[VIPPort] = set()
@@ -122,7 +121,8 @@ def vip_sets(plans: Mapping[PlanKey, PortPlan]) -> VIPSets:
             drop_external.add(key)
         served.add(key)
         affinity = affinity or bool(plan.affinity_seconds)
-    return VIPSets(frozenset(served), frozenset(drop_all), frozenset(drop_external), affinity)
+    rules = Interception(frozenset(served), frozenset(drop_all), frozenset(drop_external), passed)
+    return rules, affinity
 
 
 class _PortTable(NamedTuple):
@@ -215,12 +215,14 @@ class Dataplane:
         self.forwarder.cluster_cidrs = tuple(
             ipaddress.ip_network(c, strict=False) for c in cluster_cidrs or ()
         )
+        self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs)
+        """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``)."""
 
         self._balancers: dict[str, Balancer] = {}
         self._metrics: dict[str, PortMetrics] = {}
         self._plans: dict[PlanKey, PortPlan] = {}
         self._prepared: Prepared[tuple[dict[ListenerKey, Wanted], _PortTable,
-                                       tuple[VIPSets, VIPTarget] | None]] = Prepared()
+                                       VIPWant | None]] = Prepared()
         """What ``prepare`` built for one sync: its wanted listeners and port table."""
         self._reconciling: Iterator[None] | None = None
         self._reconcile_handle: asyncio.Handle | None = None
@@ -307,11 +309,8 @@ class Dataplane:
             return
         vips = None
         if self.local_vips is not None:
-            sets = vip_sets(sync.plans)
-            try:
-                vips = (sets, self._vip_target(sync.vips, sets))
-            except ValueError:
-                vips = None  # apply says why, on the loop
+            with contextlib.suppress(ValueError):  # apply says why, on the loop
+                vips = self._vip_want(sync)
         self._prepared.put(sync, (
             self._desired_for(sync.plans, sync.listen_hosts), self._port_table(sync.plans), vips,
         ))
@@ -369,9 +368,8 @@ class Dataplane:
         )
         if self.local_vips is not None:
             if vips is None:
-                sets = vip_sets(sync.plans)
                 try:
-                    vips = (sets, self._vip_target(sync.vips, sets))
+                    vips = self._vip_want(sync)
                 except ValueError as exc:
                     log.error("service VIPs of generation %d not put in force: %s; the last"
                               " ones stay", sync.generation, exc)
@@ -381,25 +379,29 @@ class Dataplane:
 
     # -- service VIPs ------------------------------------------------------------
 
-    def _steerable(self, sets: VIPSets) -> frozenset[VIPPort]:
-        """What can be served now: nothing without the VIP listener or the program."""
-        ok = self._vip_listener is not None and self._sk is not None
-        return sets.served if ok else frozenset()
+    def _vip_want(self, sync: SyncResult) -> VIPWant:
+        """``vip_rules`` of the sync and its ``VIPTarget``; ValueError for a bad VIP."""
+        wanted, affinity = vip_rules(sync.plans, self._passed)
+        return wanted, affinity, self._vip_target(sync.vips, wanted)
 
-    def _vip_target(self, vips: frozenset[str], sets: VIPSets) -> VIPTarget:
-        """The VIPs and table ``sets`` ask for, as far as they can be served now.
+    def _steerable(self, wanted: Interception) -> Interception:
+        """What can be served now: nothing without the VIP listener or the program."""
+        if self._vip_listener is not None and self._sk is not None:
+            return wanted
+        return dataclasses.replace(wanted, served=frozenset())
+
+    def _vip_target(self, vips: frozenset[str], wanted: Interception) -> VIPTarget:
+        """The VIPs and table ``wanted`` asks for, as far as they can be served now.
 
         Pure but for reading whether the listener and program are there:
         ``prepare`` calls it off the loop. What cannot be served is refused.
         ValueError for a VIP that is not one (``vips.vip``).
         """
-        assert self.local_vips is not None
-        rules = Interception(self._steerable(sets), sets.drop_all, sets.drop_external,
-                             tuple(str(c) for c in self.forwarder.cluster_cidrs))
         lv = self.local_vips
-        return VIPTarget.build(vips, rules, lv.nft_table, lv.known, lv.proto)
+        assert lv is not None
+        return VIPTarget.build(vips, self._steerable(wanted), lv.nft_table, lv.known, lv.proto)
 
-    def _sync_vips(self, sets: VIPSets, target: VIPTarget) -> None:
+    def _sync_vips(self, wanted: Interception, affinity: bool, target: VIPTarget) -> None:
         """Put the VIPs, their steering and their nft table in force, in the background.
 
         The decision table is swapped already, so a connection to a VIP port
@@ -410,13 +412,13 @@ class Dataplane:
         run that follows puts it in force.
         """
         vl = self._vip_listener
-        if vl is None and sets.served:
+        if vl is None and wanted.served:
             vl = self._open_vip_listener()
         assert target.rules is not None
-        if target.rules.served != self._steerable(sets):
-            target = self._vip_target(target.vips, sets)  # the listener came or went
+        if target.rules.served != self._steerable(wanted).served:
+            target = self._vip_target(target.vips, wanted)  # the listener came or went
         if vl is not None:
-            self._set_vip_steering(vl, sets.affinity)
+            self._set_vip_steering(vl, affinity)
         if not target.same(self._vips_wanted):
             self._vips_wanted = target
             self._vips_generation = self.generation
@@ -682,7 +684,7 @@ class Dataplane:
                         self.loop, addr, port, self.forwarder.on_accept,
                         admit=self.forwarder.has_capacity, on_blocked=self._on_blocked,
                         backlog=self.backlog, reuse_port=self.reuse_port, label=plan.key,
-                        steer_workers=steer, accept_set=self.accept_set, table_key=plan_key,
+                        steer_workers=steer, accept_set=self.accept_set,
                     )
                     try:
                         lis.open(program, adopt=adopt)
@@ -761,7 +763,7 @@ class Dataplane:
             return
         if self._vips_wanted is not None and self._vip_listener is None:
             # The VIP listener failed to bind: again, for what the last apply wanted.
-            self._sync_vips(vip_sets(self._plans), self._vips_wanted)
+            self._sync_vips(*vip_rules(self._plans, self._passed), self._vips_wanted)
         if self._failed:
             self._reconcile()
 

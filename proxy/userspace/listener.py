@@ -141,7 +141,6 @@ class Listener:
         label: str = "",
         steer_workers: int = 0,
         accept_set: AcceptSet | None = None,
-        table_key: object = None,
         steered: bool = False,
     ) -> None:
         self.loop = loop
@@ -149,12 +148,10 @@ class Listener:
         """Where the socket is watched; None: on the loop itself (``add_reader``)."""
         self.address = address
         self.port = port
-        self.table_key = port if table_key is None else table_key
-        """What ``on_accept`` is told: the key of this listener's plan (its nodePort)."""
         self.steered = steered
         """The socket every service VIP's connections are steered to
         (``proxy.userspace.sklookup``): ``on_accept`` is told each one's own
-        ``(VIP, port)``, its ``getsockname()``, instead of ``table_key``."""
+        ``(VIP, port)``, its ``getsockname()``, instead of the nodePort."""
         self.label = label
         self._on_accept = on_accept
         self._admit = admit
@@ -349,7 +346,7 @@ class Listener:
                 self._accept_failed(exc)
                 return
             conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
-            self._on_accept(conn, addr, conn.getsockname() if self.steered else self.table_key)
+            self._on_accept(conn, addr, conn.getsockname() if self.steered else self.port)
         if self._backoff:
             if self._errors_in_episode > 1:
                 log.info(
