@@ -558,10 +558,90 @@ def source_ip(*, prefix: str = f"{DEFAULT_PREFIX}3", run_dir: Path | None = None
     return facts
 
 
+VIPS_IN_FORCE = "service VIPs in force"
+
+
+def _wait_vips_applied(lab: Any, node: str, before: int, timeout: float = 5.0) -> bool:
+    """Until *node*'s kpx logs one more "service VIPs in force" than *before*."""
+    return poll(lambda: lab.proxy_log(node).count(VIPS_IN_FORCE) > before, timeout)
+
+
+def internal_local(*, prefix: str = f"{DEFAULT_PREFIX}4", run_dir: Path | None = None,
+                   out: TextIO | None = None, keep: bool = False,
+                   timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+    """ClusterIP + iTP=Local: pods on a node without an endpoint time out; no node escape."""
+    say = Narrator(out)
+    claims = Claims(say)
+    say.title("internal-local: internalTrafficPolicy=Local drops in-cluster traffic too")
+    say.explain("""
+        A Service's ClusterIP is what pods use to reach it. internalTrafficPolicy: Local
+        tells kube-proxy to send that in-cluster traffic only to endpoints on the caller's own
+        node. A node without one drops the SYN: the caller sees a time-out, not a refusal.
+
+        Unlike a NodePort with externalTrafficPolicy: Local, there is no escape for traffic
+        the node sends itself: a host-network process on that node is dropped as well
+        (kube-proxy's e2e "should respect internalTrafficPolicy=Local Pod and Node, to
+        Pod (hostNetwork: true)"). So "curl localhost:nodePort works on the node" says
+        nothing about what a pod calling the ClusterIP will see.""")
+    svc = _service("web", "Local", NODE_PORT)
+    svc["spec"]["internalTrafficPolicy"] = "Cluster"
+    client = {"labels": {"app": "client"}, "port": 8080}
+    spec = {"nodes": 2,
+            "pods": [_pod("node1"), {"name": "c1", "node": "node1", **client},
+                     {"name": "c2", "node": "node2", **client}],
+            "services": [svc]}
+    facts: dict[str, Any] = {"demo": "internal-local"}
+    with demo_lab(spec, prefix, run_dir, keep, say) as lab:
+        cip, port = lab.cluster_ip("default/web"), lab.node_port("default/web")
+        poll(lambda: all(VIPS_IN_FORCE in lab.proxy_log(n) for n in _node_names(lab)), 5.0)
+        say.step(f"pod web-1 runs on node1; service default/web has ClusterIP {cip}:80 "
+                 f"(and NodePort {port}, eTP=Local)")
+
+        def call(src: str, what: str, ip: str = cip, to: int = 80) -> dict[str, Any]:
+            say.step(f"{what}: {src} → {ip}:{to}")
+            a = attempt(lab, src, ip, to, timeout)
+            say.detail(_describe(say, lab, a))
+            return a.as_dict()
+
+        facts["cluster_from_c2"] = call("c2", "iTP=Cluster, a pod on node2")
+        claims.check("with iTP=Cluster, the pod on node2 reaches web-1 on node1",
+                     facts["cluster_from_c2"]["outcome"] == "answered")
+
+        seen = lab.proxy_log("node2").count(VIPS_IN_FORCE)
+        svc["spec"]["internalTrafficPolicy"] = "Local"
+        lab.update_service(svc)
+        applied = _wait_vips_applied(lab, "node2", seen)
+        say.step("kpx lab apply: internalTrafficPolicy Cluster → Local"
+                 + ("" if applied else say.c(" (node2 did not confirm it)", "red")))
+        facts["local_from_c2"] = call("c2", "iTP=Local, a pod on node2 (no endpoint there)")
+        r = facts["local_from_c2"]
+        claims.check(f"the same call from node2's pod is dropped: a time-out after "
+                     f"{r['elapsed']:.2f} s, not a refusal",
+                     applied and r["outcome"] == "timeout" and r["elapsed"] >= timeout * 0.9)
+        facts["local_from_c1"] = call("c1", "iTP=Local, a pod on node1 (the endpoint's node)")
+        claims.check("from a pod on node1 it still works",
+                     facts["local_from_c1"]["outcome"] == "answered"
+                     and facts["local_from_c1"]["pod"] == "web-1")
+        facts["local_from_node2"] = call("node2", "iTP=Local, node2 itself (host network)")
+        r = facts["local_from_node2"]
+        claims.check("node2's own process is dropped too: no Cluster escape for iTP",
+                     r["outcome"] == "timeout" and r["elapsed"] >= timeout * 0.9)
+        facts["nodeport_localhost_node2"] = call(
+            "node2", "for contrast, the NodePort (eTP=Local) from node2 itself",
+            "127.0.0.1", port)
+        r = facts["nodeport_localhost_node2"]
+        claims.check(f"localhost:{port} on node2 works: node traffic gets Cluster semantics "
+                     "for NodePorts, not for iTP", r["outcome"] == "answered"
+                     and r["pod"] == "web-1")
+    facts["claims"], facts["ok"] = claims.items, claims.ok
+    return facts
+
+
 DEMOS: dict[str, Callable[..., dict[str, Any]]] = {
     "local-drop": local_drop,
     "healthcheck": healthcheck,
     "source-ip": source_ip,
+    "internal-local": internal_local,
 }
 
 

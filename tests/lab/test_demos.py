@@ -123,6 +123,18 @@ def test_source_ip(lab_prefix: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.lab
+def test_internal_local(lab_prefix: str, tmp_path: Path) -> None:
+    facts, _text = run_demo("internal-local", lab_prefix, tmp_path)
+    assert facts["cluster_from_c2"]["outcome"] == "answered"
+    for key in ("local_from_c2", "local_from_node2"):  # dropped: a full time-out
+        assert facts[key]["outcome"] == "timeout" and facts[key]["elapsed"] >= TIMEOUT * 0.9
+    assert (facts["local_from_c1"]["outcome"], facts["local_from_c1"]["pod"]) == (
+        "answered", "web-1")
+    assert facts["nodeport_localhost_node2"]["peer_ip"] == NODE_IPS["node2"]  # SNATed
+    assert_all_claims_held(facts)
+
+
+@pytest.mark.lab
 def test_kpx_demo_command(lab_prefix: str) -> None:
     """The CLI as a user runs it: exit 0, narration without colour when piped, no leftovers."""
     kpx = Path(sys.executable).with_name("kpx")
