@@ -637,11 +637,112 @@ def internal_local(*, prefix: str = f"{DEFAULT_PREFIX}4", run_dir: Path | None =
     return facts
 
 
+def _per_node(lab: Any, n: int, timeout: float) -> list[dict[str, Any]]:
+    """``n`` client connections through the LB, each with the node the LB sent it to.
+
+    The LB's own per-node counters, read around each connection, name the
+    node even when the connection times out (a dropped SYN answers nothing).
+    """
+    front = lbm.read_status(lab.run_dir).get("front", f"{lbm.FRONT_IP}:80")
+    ip, port = front.rsplit(":", 1)
+    results = []
+    for _ in range(n):
+        before = lbm.connection_counts(lab)
+        a = attempt(lab, "client", ip, int(port), timeout).as_dict()
+        after = lbm.connection_counts(lab)
+        sent = [node for node, c in after.items() if c > before.get(node, 0)]
+        a["sent_to"] = sent[0] if len(sent) == 1 else None
+        results.append(a)
+    return results
+
+
+def _tally(say: Narrator, results: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Attempts, successes and time-outs per node the LB chose, narrated as a table."""
+    table: dict[str, dict[str, int]] = {
+        n: {"attempts": 0, "answered": 0, "timeouts": 0} for n in names}
+    for r in results:
+        row = table.setdefault(str(r["sent_to"]), {"attempts": 0, "answered": 0, "timeouts": 0})
+        row["attempts"] += 1
+        row["answered"] += r["outcome"] == "answered"
+        row["timeouts"] += r["outcome"] == "timeout"
+    say.detail(f"{'node':8}{'attempts':>10}{'answered':>10}{'timeouts':>10}")
+    for node, row in table.items():
+        say.detail(f"{node:8}{row['attempts']:>10}{row['answered']:>10}{row['timeouts']:>10}")
+    return table
+
+
+def tcp_healthcheck(*, prefix: str = f"{DEFAULT_PREFIX}5", run_dir: Path | None = None,
+                    out: TextIO | None = None, keep: bool = False,
+                    timeout: float = REQUEST_TIMEOUT, requests: int = 9) -> dict[str, Any]:
+    """A TCP probe of the healthCheckNodePort keeps every node; an HTTP probe fixes it."""
+    say = Narrator(out)
+    claims = Claims(say)
+    say.title("tcp-healthcheck: a TCP probe on the healthCheckNodePort is a grave mistake")
+    say.explain("""
+        kube-proxy answers the healthCheckNodePort on every node: 200 where the service has
+        a local endpoint, 503 where it has none. The 503 is an HTTP answer, so the port
+        accepts TCP connections on every node.
+
+        A load balancer configured to probe that port with a TCP connect therefore sees
+        every node healthy and keeps sending clients to nodes without a pod, where
+        externalTrafficPolicy: Local drops their SYNs: those connections time out. Probing
+        with HTTP GET /healthz reads the status code and takes those nodes out.""")
+    probe = {"type": "tcp", "port": "healthCheckNodePort", **PROBE}
+    spec = {
+        "nodes": 3, "pods": [_pod("node1")],
+        "services": [_service("web", "Local", NODE_PORT, "LoadBalancer", HC_PORT)],
+        "loadBalancer": {"service": "default/web", "mode": "passthrough", "port": 80,
+                         "probe": probe},
+    }
+    facts: dict[str, Any] = {"demo": "tcp-healthcheck"}
+    with demo_lab(spec, prefix, run_dir, keep, say) as lab:
+        names = _node_names(lab)
+        hc = lab.hc_port("default/web")
+        poll(lambda: lb_serving(lab) == names, 5.0)
+        say.step(f"the LB probes each node with a TCP connect to healthCheckNodePort {hc}:")
+        for node, st in lb_view(lab.run_dir).items():
+            verdict = say.c("in rotation", "green") if st["healthy"] else say.c("out", "red")
+            say.detail(f"{node}: {verdict} — last probe {st['result']}")
+        facts["lb_tcp"] = lb_serving(lab)
+        claims.check("every node passes the TCP probe, node2 and node3 included",
+                     facts["lb_tcp"] == names)
+        say.step(f"{requests} new connections from the client to the LB")
+        facts["tcp"] = _tally(say, _per_node(lab, requests, timeout), names)
+        tcp = facts["tcp"]
+        timeouts = sum(row["timeouts"] for row in tcp.values())
+        claims.check(f"{timeouts} of {requests} connections timed out, every one sent to a "
+                     "node without the pod", timeouts > 0 and tcp["node1"]["timeouts"] == 0
+                     and all(tcp[n]["timeouts"] == tcp[n]["attempts"] > 0 for n in names[1:]))
+
+        say.step("kpx lab apply: the LB's probe becomes HTTP GET /healthz")
+        raw = lab.spec.to_dict()
+        raw["loadBalancer"]["probe"] = {**probe, "type": "http", "path": "/healthz"}
+        start = time.monotonic()
+        lab.apply(raw)
+        poll(lambda: lb_serving(lab) == ["node1"], 10.0)
+        facts["shift_seconds"] = round(time.monotonic() - start, 3)
+        facts["lb_http"] = lb_serving(lab)
+        for node, st in lb_view(lab.run_dir).items():
+            verdict = say.c("in rotation", "green") if st["healthy"] else say.c("out", "red")
+            say.detail(f"{node}: {verdict} — last probe {st['result']}")
+        claims.check(f"the HTTP probe keeps node1 alone: node2 and node3 answer 503 "
+                     f"(rotation settled {facts['shift_seconds']:.2f} s after the change)",
+                     facts["lb_http"] == ["node1"])
+        say.step(f"{requests} new connections again")
+        facts["http"] = _tally(say, _per_node(lab, requests, timeout), names)
+        http = facts["http"]
+        claims.check(f"all {requests} connections succeed, all on node1",
+                     http["node1"]["answered"] == requests)
+    facts["claims"], facts["ok"] = claims.items, claims.ok
+    return facts
+
+
 DEMOS: dict[str, Callable[..., dict[str, Any]]] = {
     "local-drop": local_drop,
     "healthcheck": healthcheck,
     "source-ip": source_ip,
     "internal-local": internal_local,
+    "tcp-healthcheck": tcp_healthcheck,
 }
 
 
@@ -663,6 +764,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "verbose", 1) <= 1:
         # The narration is the output; the lab's own progress lines would interleave.
         logging.getLogger("kpx.lab").setLevel(logging.WARNING)
+        logging.getLogger("kpx.lb").setLevel(logging.WARNING)
     say = Narrator()
     chosen = list(DEMOS) if args.demo == "all" else [args.demo]
     results: list[tuple[str, bool]] = []

@@ -135,6 +135,19 @@ def test_internal_local(lab_prefix: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.lab
+def test_tcp_healthcheck(lab_prefix: str, tmp_path: Path) -> None:
+    facts, _text = run_demo("tcp-healthcheck", lab_prefix, tmp_path)
+    assert facts["lb_tcp"] == ["node1", "node2", "node3"]
+    tcp, http = facts["tcp"], facts["http"]
+    assert tcp["node1"]["timeouts"] == 0 and tcp["node1"]["answered"] == tcp["node1"]["attempts"]
+    for node in ("node2", "node3"):  # round robin: each podless node got its share, all lost
+        assert tcp[node]["attempts"] > 0 and tcp[node]["timeouts"] == tcp[node]["attempts"]
+    assert facts["lb_http"] == ["node1"]
+    assert http["node1"]["answered"] == sum(row["attempts"] for row in http.values())
+    assert_all_claims_held(facts)
+
+
+@pytest.mark.lab
 def test_kpx_demo_command(lab_prefix: str) -> None:
     """The CLI as a user runs it: exit 0, narration without colour when piped, no leftovers."""
     kpx = Path(sys.executable).with_name("kpx")
