@@ -164,7 +164,7 @@ class Lab(Traffic, Pods):
                 self._write_state()
                 t_net = time.monotonic()
                 for rec in self._pods.values():
-                    self.procs.start_echo(rec, self.plan.pod_ns(rec.spec.name))
+                    self.procs.start_pod(rec, self.plan.pod_ns(rec.spec.name))
                 if self.start_proxies:
                     for node in self.spec.nodes:
                         self._start_proxy(node)
@@ -409,7 +409,7 @@ class Lab(Traffic, Pods):
                         changes["updated"].append(name)
                     continue
                 rec = self._create_pod_ns(target)
-                self.procs.start_echo(rec, self.plan.pod_ns(rec.spec.name))
+                self.procs.start_pod(rec, self.plan.pod_ns(rec.spec.name))
                 starting.append(rec)
                 if name not in changes["moved"] and name not in changes["updated"]:
                     changes["created"].append(name)

@@ -1,6 +1,7 @@
-"""``kpx demo``: the three stories every kube-proxy user eventually learns, shown live.
+"""``kpx demo``: the stories every kube-proxy user eventually learns, shown live.
 
-Owns: the demo scenarios (local-drop, healthcheck, source-ip), their
+Owns: the demo scenarios (local-drop, healthcheck, source-ip, internal-local,
+proxy-protocol, tcp-healthcheck), their
 narration, and the structured record of what each one measured.
 
 Never: print a fact it did not just measure, or leave a lab behind. Every
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -32,6 +34,7 @@ from typing import Any, ClassVar, TextIO
 
 from lab import loadbalancer as lbm
 from lab.common import poll
+from lab.topology import LB_NODE_IP
 
 DEFAULT_PREFIX = "kdemo"
 REQUEST_TIMEOUT = 1.5
@@ -169,8 +172,12 @@ def http_get(
             return None, "", "timeout"
         except ConnectionRefusedError:
             return None, "", "refused"
+        except ConnectionResetError:
+            return None, "", "reset"
         except OSError as e:
             return None, "", f"error: {e}"
+    if not data:
+        return None, "", "closed without a reply"
     head, _, body = data.partition(b"\r\n\r\n")
     parts = head.split(b" ", 2)
     if len(parts) < 2 or not parts[1].isdigit():
@@ -294,7 +301,7 @@ def _ip_of(lab: Any, ip: str | None) -> str:
     for node in _node_names(lab):
         if lab.node_ip(node) == ip:
             return f"{ip} ({node})"
-    if ip == "10.77.0.2":
+    if ip == LB_NODE_IP:
         return f"{ip} (the LB)"
     return ip
 
@@ -671,7 +678,7 @@ def _tally(say: Narrator, results: list[dict[str, Any]], names: list[str]) -> di
     return table
 
 
-def tcp_healthcheck(*, prefix: str = f"{DEFAULT_PREFIX}5", run_dir: Path | None = None,
+def tcp_healthcheck(*, prefix: str = f"{DEFAULT_PREFIX}6", run_dir: Path | None = None,
                     out: TextIO | None = None, keep: bool = False,
                     timeout: float = REQUEST_TIMEOUT, requests: int = 9) -> dict[str, Any]:
     """A TCP probe of the healthCheckNodePort keeps every node; an HTTP probe fixes it."""
@@ -737,11 +744,116 @@ def tcp_healthcheck(*, prefix: str = f"{DEFAULT_PREFIX}5", run_dir: Path | None 
     return facts
 
 
+def _ingress_call(say: Narrator, lab: Any, src: str, timeout: float) -> dict[str, Any]:
+    """GET / from *src* to the LB's front: what nginx answered (or what it did instead)."""
+    front = lbm.read_status(lab.run_dir).get("front", f"{lbm.FRONT_IP}:80")
+    ip, port = front.rsplit(":", 1)
+    say.step(f"{src} → http://{ip}:{port}/ (the LB's address)")
+    code, body, what = http_get(lab, src, ip, int(port), "/", timeout)
+    reply: dict[str, Any] = {}
+    with contextlib.suppress(ValueError):
+        reply = json.loads(body) if code == 200 else {}
+    if code == 200 and reply:
+        peer = str(reply.get("peer", "")).rsplit(":", 1)[0]
+        proxy = str(reply.get("proxy", "")).rsplit(":", 1)[0]
+        say.detail(f"{say.c('HTTP 200', 'green')} from {reply.get('server')} pod "
+                   f"{say.c(reply.get('pod'), 'bold')}: TCP peer {_ip_of(lab, peer)}, PROXY "
+                   f"header source {_ip_of(lab, proxy or None)}; nginx believes the client is "
+                   f"{say.c(_ip_of(lab, reply.get('clientIP')), 'bold')}")
+    else:
+        say.detail(say.c(what, "red"))
+    return {"status": code, "outcome": what, "client_ip": reply.get("clientIP"),
+            "proxy_ip": str(reply.get("proxy", "")).rsplit(":", 1)[0] or None,
+            "peer_ip": str(reply.get("peer", "")).rsplit(":", 1)[0] or None}
+
+
+def _last_nginx_error(lab: Any, pod: str, before: int) -> str | None:
+    """The first ``[error]`` nginx logged after byte *before* of its log, on one line."""
+    text = lab.pod_log(pod)[before:]
+    at = text.find("[error]")
+    if at < 0:
+        return None
+    line = text[at:].split(" while ", 1)[0] if " while " in text[at:] else text[at:]
+    return " ".join(line.split())[:160]
+
+
+def proxy_protocol(*, prefix: str = f"{DEFAULT_PREFIX}5", run_dir: Path | None = None,
+                   out: TextIO | None = None, keep: bool = False,
+                   timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+    """PROXY protocol through a proxying LB: the client IP, the hairpin, and ipMode: Proxy."""
+    say = Narrator(out)
+    claims = Claims(say)
+    say.title("proxy-protocol: the client IP through a proxying LB, and the in-cluster hairpin")
+    say.explain("""
+        A load balancer that proxies (rather than passes packets through) opens its own
+        connection to the node, so the pod sees the LB's address. PROXY protocol fixes that:
+        the LB sends a header naming the real client first, and the ingress (nginx here,
+        listen ... proxy_protocol, trusting only the LB) takes the client from it.
+
+        Inside the cluster, kube-proxy knows the LB's IP from the Service's status and, with
+        the default ipMode: VIP, short-circuits a pod's connection to it straight to the
+        ingress pod. That connection never passes the LB, so it carries no PROXY header,
+        and nginx, which now requires one, refuses it. ipMode: Proxy (Kubernetes 1.30+)
+        tells kube-proxy to leave the LB's IP alone: the call goes out to the LB and comes
+        back with the header, like everyone else's.""")
+    svc = _service("ingress", "Local", NODE_PORT, "LoadBalancer", HC_PORT)
+    svc["spec"]["selector"] = {"app": "ingress"}
+    spec = {
+        "nodes": 2,
+        "pods": [{"name": "ingress", "node": "node1", "labels": {"app": "ingress"},
+                  "port": 8080, "image": "nginx", "proxyProtocol": True},
+                 {"name": "c2", "node": "node2", "labels": {"app": "client"}, "port": 8080}],
+        "services": [svc],
+        "loadBalancer": {"service": "default/ingress", "mode": "proxy", "proxyProtocol": "v2",
+                         "port": 80, "ipMode": "VIP", "probe": {"type": "http", **PROBE}},
+    }
+    facts: dict[str, Any] = {"demo": "proxy-protocol"}
+    with demo_lab(spec, prefix, run_dir, keep, say) as lab:
+        poll(lambda: lb_serving(lab) == ["node1"], 5.0)
+        poll(lambda: all(VIPS_IN_FORCE in lab.proxy_log(n) for n in _node_names(lab)), 5.0)
+        c2 = lab.pod_ip("c2")
+        say.step(f"nginx pod {say.c('ingress', 'bold')} runs on node1 (eTP=Local); the LB "
+                 f"proxies to the nodes and sends PROXY v2; pod c2 ({c2}) runs on node2")
+
+        facts["external"] = r = _ingress_call(say, lab, "client", timeout)
+        claims.check("an external client's request reaches nginx with the client's own IP "
+                     "in the PROXY header, and nginx believes it",
+                     r["status"] == 200 and r["client_ip"] == lab.client_ip
+                     and r["proxy_ip"] == lab.client_ip)
+
+        mark = len(lab.pod_log("ingress"))
+        facts["vip"] = r = _ingress_call(say, lab, "c2", timeout)
+        r["nginx_error"] = _last_nginx_error(lab, "ingress", mark)
+        if r["nginx_error"]:
+            say.detail(f"nginx's log: {say.c(r['nginx_error'], 'dim')}")
+        claims.check(f"with ipMode: VIP, pod c2's call never reaches the LB: nginx gets no PROXY "
+                     f"header and refuses it ({r['outcome']})",
+                     r["status"] is None and r["outcome"] != "timeout"
+                     and "broken header" in (r["nginx_error"] or ""))
+
+        seen = lab.proxy_log("node2").count(VIPS_IN_FORCE)
+        raw = lab.spec.to_dict()
+        raw["loadBalancer"]["ipMode"] = "Proxy"
+        lab.apply(raw)
+        applied = _wait_vips_applied(lab, "node2", seen)
+        ingress = lab.service("default/ingress")["status"]["loadBalancer"]["ingress"]
+        say.step(f"kpx lab apply: status.loadBalancer.ingress is now {ingress}"
+                 + ("" if applied else say.c(" (node2 did not confirm it)", "red")))
+        facts["proxy"] = r = _ingress_call(say, lab, "c2", timeout)
+        claims.check("with ipMode: Proxy, the same call goes through the LB and nginx sees "
+                     "pod c2's IP in the PROXY header",
+                     applied and r["status"] == 200 and r["proxy_ip"] == c2
+                     and r["client_ip"] == c2 and r["peer_ip"] == LB_NODE_IP)
+    facts["claims"], facts["ok"] = claims.items, claims.ok
+    return facts
+
+
 DEMOS: dict[str, Callable[..., dict[str, Any]]] = {
     "local-drop": local_drop,
     "healthcheck": healthcheck,
     "source-ip": source_ip,
     "internal-local": internal_local,
+    "proxy-protocol": proxy_protocol,
     "tcp-healthcheck": tcp_healthcheck,
 }
 

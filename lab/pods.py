@@ -185,8 +185,17 @@ class Pods:
         wait_until(gone, timeout, what=f"pod {name} to be gone")
 
     def kill_pod(self, name: str) -> None:
-        """SIGKILL the pod's echo process (its endpoint stays published, as until a probe fails)."""
+        """SIGKILL the pod's processes (its endpoint stays published, as until a probe fails).
+
+        Every process in the pod's namespace goes, as with a container's: an
+        nginx pod's workers would otherwise keep serving without their master.
+        """
         proc = self._pod(name).proc
+        ns = self.plan.pod_ns(name)
+        for pid in netns.pids_in([ns])[ns]:
+            if not proc or pid != proc.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         if proc and proc.alive():
             os.kill(proc.pid, signal.SIGKILL)
             self.procs.reap(proc.pid)
@@ -275,5 +284,5 @@ class Pods:
 
 def needs_recreate(old: PodSpec, new: PodSpec) -> bool:
     """Whether a pod changed in a way only a new pod (new IP, new uid) can show."""
-    return (old.node, old.port, old.namespace, old.port_name) != (
-        new.node, new.port, new.namespace, new.port_name)
+    return (old.node, old.port, old.namespace, old.port_name, old.image, old.proxy_protocol) != (
+        new.node, new.port, new.namespace, new.port_name, new.image, new.proxy_protocol)

@@ -1,4 +1,4 @@
-"""The processes a lab runs: one echo server per pod, one ``kpx node`` per node, extras.
+"""The processes a lab runs: one server (echo or nginx) per pod, one ``kpx node`` per node, extras.
 
 Owns: starting a process inside a namespace with its log file
 (``<run_dir>/logs``) and this checkout on its path, the records of what is
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab import netns
+from lab import netns, nginx
 from lab.rundir import LabError, PodRecord, ProcInfo
 from lab.topology import POD_NETWORK
 
@@ -63,10 +63,17 @@ class Processes:
         return ProcInfo(pid=p.pid, start=netns.pid_start_time(p.pid), ns=ns, role=role,
                         log=str(log_path), argv=argv)
 
-    def start_echo(self, rec: PodRecord, ns: str) -> None:
-        """Start pod *rec*'s echo server in *ns*; its process lands in ``rec.proc``."""
-        argv = [sys.executable, "-m", "lab.echo", "--name", rec.spec.name, "--node",
-                rec.spec.node, "--port", str(rec.spec.port)]
+    def start_pod(self, rec: PodRecord, ns: str) -> None:
+        """Start pod *rec*'s server in *ns* (echo or nginx); its process lands in ``rec.proc``."""
+        spec = rec.spec
+        if spec.image == "nginx":
+            nginx.ensure_installed()
+            conf, workdir = nginx.write_conf(spec.name, spec.node, spec.port,
+                                             spec.proxy_protocol, self.logs_dir.parent / "pods")
+            argv = nginx.nginx_argv(conf, workdir)
+        else:
+            argv = [sys.executable, "-m", "lab.echo", "--name", spec.name, "--node",
+                    spec.node, "--port", str(spec.port)]
         rec.proc = self.spawn(ns, argv, f"pod/{rec.spec.name}",
                               self.logs_dir / f"pod-{rec.spec.name}.log")
 

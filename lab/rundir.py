@@ -88,10 +88,7 @@ class PodRecord:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PodRecord:
-        s = d["spec"]
-        spec = PodSpec(name=s["name"], node=s["node"], labels=dict(s.get("labels", {})),
-                       port=s.get("port", 8080), ready=s.get("ready", True),
-                       namespace=s.get("namespace", "default"), port_name=s.get("portName"))
+        spec = PodSpec.from_dict(d["spec"])
         proc = ProcInfo(**d["proc"]) if d.get("proc") else None
         return cls(spec=spec, ip=d["ip"], slot=d["slot"], uid=d["uid"],
                    terminating=d.get("terminating", False), delete_at=d.get("delete_at"),

@@ -28,6 +28,9 @@ Lab file format
         portName: http        # optional: containerPort name, for named targetPorts
         ready: true           # optional, default true (false = failing readiness)
         namespace: default    # optional Kubernetes namespace, default "default"
+        image: echo           # optional: echo (default, lab.echo) | nginx (Debian's nginx,
+                              # answering JSON with the client address it believes)
+        proxyProtocol: false  # nginx only: listen with proxy_protocol, trusting the LB
     services:                 # real v1 Service objects, as kubectl would accept them
       - apiVersion: v1
         kind: Service
@@ -112,6 +115,7 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 LB_MODES = ("passthrough", "proxy")
 PROBE_TYPES = ("http", "tcp")
 IP_MODES = ("VIP", "Proxy")
+POD_IMAGES = ("echo", "nginx")
 PROBE_DEFAULTS: dict[str, Any] = {
     "type": "http", "port": "healthCheckNodePort", "path": "/healthz", "interval": 1,
     "timeout": 1, "healthyThreshold": 1, "unhealthyThreshold": 2,
@@ -138,10 +142,18 @@ class PodSpec:
     ready: bool = True
     namespace: str = "default"
     port_name: str | None = None
+    image: str = "echo"
+    """What the pod runs: ``echo`` (``lab.echo``) or ``nginx`` (``lab.nginx``)."""
+    proxy_protocol: bool = False
+    """nginx only: expect a PROXY header and believe it when the LB sent it."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "node": self.node, "labels": dict(self.labels),
                              "port": self.port}
+        if self.image != "echo":
+            d["image"] = self.image
+        if self.proxy_protocol:
+            d["proxyProtocol"] = True
         if not self.ready:
             d["ready"] = False
         if self.namespace != "default":
@@ -149,6 +161,14 @@ class PodSpec:
         if self.port_name:
             d["portName"] = self.port_name
         return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PodSpec:
+        """The inverse of ``to_dict``, for records the lab wrote itself (not validated)."""
+        return cls(name=d["name"], node=d["node"], labels=dict(d.get("labels", {})),
+                   port=d.get("port", 8080), ready=d.get("ready", True),
+                   namespace=d.get("namespace", "default"), port_name=d.get("portName"),
+                   image=d.get("image", "echo"), proxy_protocol=d.get("proxyProtocol", False))
 
 
 @dataclass(frozen=True)
@@ -397,7 +417,8 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
     pods: list[PodSpec] = []
     seen: set[str] = set()
     per_node: dict[str, int] = {}
-    allowed = {"name", "node", "labels", "port", "ready", "namespace", "portName"}
+    allowed = {"name", "node", "labels", "port", "ready", "namespace", "portName", "image",
+               "proxyProtocol"}
     for i, p in enumerate(raw):
         where = f"pods[{i}]"
         if not isinstance(p, Mapping):
@@ -437,11 +458,21 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
                                       or not _IANA_SVC_NAME.match(port_name)
                                       or len(port_name) > 15):
             problems.append(f"{where}.portName: {port_name!r} is not a valid port name")
+        image = p.get("image", "echo")
+        if image not in POD_IMAGES:
+            problems.append(f"{where}.image: {image!r} is not one of {', '.join(POD_IMAGES)}")
+        proxy_protocol = p.get("proxyProtocol", False)
+        if not isinstance(proxy_protocol, bool):
+            problems.append(f"{where}.proxyProtocol: must be true or false")
+        elif proxy_protocol and image != "nginx":
+            problems.append(f"{where}.proxyProtocol: only an nginx pod takes it (the echo pod"
+                            " reads a PROXY header whenever one arrives)")
         labels = _labels(p.get("labels"), f"{where}.labels", problems)
         if len(problems) == before:
             seen.add(name)
             pods.append(PodSpec(name=name, node=node, labels=labels, port=port, ready=ready,
-                                namespace=ns, port_name=port_name))
+                                namespace=ns, port_name=port_name, image=image,
+                                proxy_protocol=proxy_protocol))
     return pods
 
 

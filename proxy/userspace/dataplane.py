@@ -433,10 +433,12 @@ class Dataplane:
             rules = target.rules
             assert rules is not None
             try:
-                if self._sk is not None:
-                    for _ in self._sk.changes(rules.served):
-                        await asyncio.sleep(0)  # a batch syscall each: let connections in
+                # Steering is a superset of the routes at every instant: new
+                # pairs before their route exists, gone ones after it went. A
+                # local route without steering would answer its SYNs with RST.
+                await self._steer(rules.served | (self._sk.served if self._sk else set()))
                 await self.local_vips.sync_async(target)
+                await self._steer(rules.served)
             except (OSError, ValueError, RuntimeError) as exc:
                 log.error("cannot put %d service VIPs in force: %s; retrying in %.1fs",
                           len(target.vips), exc, self.retry_interval)
@@ -450,6 +452,11 @@ class Dataplane:
                      " %s:%d, %d dropping", generation, len(target.vips), len(rules.served),
                      LISTEN_ADDRESS, vl.port if vl is not None else 0,
                      len(rules.drop_all) + len(rules.drop_external))
+
+    async def _steer(self, served: frozenset[tuple[str, int]]) -> None:
+        if self._sk is not None:
+            for _ in self._sk.changes(served):
+                await asyncio.sleep(0)  # a batch syscall each: let connections in
 
     async def vips_synced(self) -> None:
         """Wait until the VIPs and rules of the latest ``apply`` are in force (tests, bench)."""

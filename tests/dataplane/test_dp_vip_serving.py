@@ -139,6 +139,39 @@ async def scenario() -> None:
     assert not table_present()
 
 
+async def order_scenario() -> None:
+    dp = Dataplane(loop=asyncio.get_running_loop(), local_vips=LocalVIPs(base=f"@{prefix()}vip"))
+    px = Proxier(SyncConfig(NODE, vips=True), dataplane=dp)
+    assert dp.local_vips is not None and dp._sk is not None
+    sk, real = dp._sk, dp.local_vips.sync_async
+    steered_during: list[set[tuple[str, int]]] = []
+
+    async def spy(target):  # type: ignore[no-untyped-def]
+        steered_during.append(set(sk.served))
+        await real(target)
+
+    dp.local_vips.sync_async = spy  # type: ignore[method-assign]
+    try:
+        px.sync(state())
+        await dp.vips_synced()
+        px.sync(state(present=False, generation=2))
+        await dp.vips_synced()
+    finally:
+        dp.close()
+    assert steered_during == [{(VIP, 80)}, {(VIP, 80)}]
+    assert sk.served == set()
+
+
+def test_steering_covers_every_local_route_while_routes_change() -> None:
+    """A VIP's port is steered before its route appears and until after it is gone.
+
+    In between, a SYN to a local VIP without steering would meet no socket
+    and be reset: a service deleted (or an LB switched to ipMode: Proxy)
+    would refuse connections instead of letting them leave for the LB.
+    """
+    in_fresh_netns("vipord", run_on, "uvloop", order_scenario, 30.0)
+
+
 @pytest.mark.parametrize("loop_kind", ["uvloop", "asyncio"])
 def test_a_clusterip_is_served_dropped_and_removed(loop_kind: str) -> None:
     in_fresh_netns("vipdp", run_on, loop_kind, scenario, 30.0)

@@ -135,6 +135,22 @@ def test_internal_local(lab_prefix: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.lab
+def test_proxy_protocol(lab_prefix: str, tmp_path: Path) -> None:
+    facts, _text = run_demo("proxy-protocol", lab_prefix, tmp_path)
+    ext, vip, proxy = facts["external"], facts["vip"], facts["proxy"]
+    # Through the proxying LB: nginx's TCP peer is the LB, the header names the client.
+    assert (ext["status"], ext["peer_ip"], ext["proxy_ip"], ext["client_ip"]) == (
+        200, "10.77.0.2", CLIENT, CLIENT)
+    # ipMode VIP: kpx hands the pod's connection to nginx directly, with no header.
+    assert vip["status"] is None and vip["outcome"] == "closed without a reply"
+    assert "broken header" in vip["nginx_error"]
+    # ipMode Proxy: the pod's call leaves for the LB and comes back with its own IP.
+    assert proxy["status"] == 200 and proxy["peer_ip"] == "10.77.0.2"
+    assert proxy["proxy_ip"] == proxy["client_ip"] and proxy["client_ip"].startswith("10.244.2.")
+    assert_all_claims_held(facts)
+
+
+@pytest.mark.lab
 def test_tcp_healthcheck(lab_prefix: str, tmp_path: Path) -> None:
     facts, _text = run_demo("tcp-healthcheck", lab_prefix, tmp_path)
     assert facts["lb_tcp"] == ["node1", "node2", "node3"]
