@@ -88,6 +88,7 @@ class Proxier:
         self._clock = clock
         self._started = clock()
         self._cache = PlanCache()
+        self._udp_cache = PlanCache()
         self._lock = threading.Lock()
         """``prepare`` (a worker thread) and ``sync`` (the loop) share the cache."""
         self._prepared: Prepared[_Prepared] = Prepared()
@@ -112,7 +113,7 @@ class Proxier:
 
     def _compute(self, snapshot: Snapshot) -> SyncResult:
         with self._lock:
-            return compute_sync(snapshot, self.config, self._cache)
+            return compute_sync(snapshot, self.config, self._cache, self._udp_cache)
 
     def prepare(self, snapshot: Snapshot) -> None:
         """The pure half, in the caller's (a source's worker) thread, ahead of ``sync``.

@@ -238,7 +238,7 @@ class PlanCache:
     __slots__ = ("_generation", "_inputs", "_plans_of", "_table", "built", "reused")
 
     def __init__(self) -> None:
-        self._inputs: tuple[str, bool, bool] | None = None
+        self._inputs: tuple[str, bool, bool, str] | None = None
         self._generation: int | None = None
         self._plans_of: dict[str, tuple[PortPlan, ...]] = {}
         """Service key -> its plans, for every proxied service of the last build."""
@@ -247,19 +247,21 @@ class PlanCache:
         self.built = 0
 
     def changed_since_last(
-        self, snapshot: Snapshot, node_name: str, masquerade_all: bool, vips: bool = False
+        self, snapshot: Snapshot, node_name: str, masquerade_all: bool, vips: bool = False,
+        protocol: str = "TCP",
     ) -> frozenset[str] | None:
         """The service keys to rebuild for ``snapshot``, or None to rebuild all."""
-        if self._inputs != (node_name, masquerade_all, vips):
+        if self._inputs != (node_name, masquerade_all, vips, protocol):
             return None
         return snapshot.changes.relative_to(self._generation)
 
 
 def _service_plans(
-    snapshot: Snapshot, node_name: str, service: Service, masquerade_all: bool, vips: bool
+    snapshot: Snapshot, node_name: str, service: Service, masquerade_all: bool, vips: bool,
+    protocol: str,
 ) -> tuple[PortPlan, ...]:
-    """Every TCP plan of ``service``: its NodePorts, then (``vips``) each port on each VIP."""
-    ports = [p for p in service.ports if p.protocol == "TCP"]
+    """``service``'s plans of one protocol: its NodePorts, then (``vips``) each port on each VIP."""
+    ports = [p for p in service.ports if p.protocol == protocol]
     plans = [
         build_plan(snapshot, node_name, service, port, masquerade_all)
         for port in ports
@@ -280,19 +282,23 @@ def build_plans(
     masquerade_all: bool = False,
     cache: PlanCache | None = None,
     vips: bool = False,
+    protocol: str = "TCP",
 ) -> dict[PlanKey, PortPlan]:
-    """The whole node's decision table, keyed by nodePort (TCP only), in service order.
+    """The node's decision table for one protocol, keyed by nodePort or (VIP, port).
 
-    With a ``cache``, only the services ``snapshot.changes`` names are
-    rebuilt when it can (see ``PlanCache``); the table is equal, and in the
-    same order, either way.
+    TCP and UDP are two tables (a cache each), because the same port
+    number may serve both, as in Kubernetes, and each goes to its own
+    sockets. With a ``cache``, only the services ``snapshot.changes``
+    names are rebuilt when it can (see ``PlanCache``); the table is equal,
+    and in the same order, either way.
     """
     changed = None if cache is None else cache.changed_since_last(
-        snapshot, node_name, masquerade_all, vips
+        snapshot, node_name, masquerade_all, vips, protocol
     )
     if changed is None:
         services = list(proxied_services(snapshot))
-        every = [_service_plans(snapshot, node_name, svc, masquerade_all, vips) for svc in services]
+        every = [_service_plans(snapshot, node_name, svc, masquerade_all, vips, protocol)
+                 for svc in services]
         plans_of = dict(zip([svc.key for svc in services], every, strict=True))
         # From the list, not ``plans_of``: a hand-made snapshot may hold two
         # services under one key, and both serve.
@@ -307,7 +313,8 @@ def build_plans(
             service = snapshot.service(key)
             plans: tuple[PortPlan, ...] = ()
             if service is not None and service.type in PROXIED_TYPES:
-                plans = _service_plans(snapshot, node_name, service, masquerade_all, vips)
+                plans = _service_plans(snapshot, node_name, service, masquerade_all, vips,
+                                       protocol)
                 plans_of[key] = plans
                 built += 1
             if [p.table_key for p in old] != [p.table_key for p in plans]:
@@ -325,7 +332,7 @@ def build_plans(
             }
     if cache is None:
         return table
-    cache._inputs = (node_name, masquerade_all, vips)
+    cache._inputs = (node_name, masquerade_all, vips, protocol)
     cache._generation = snapshot.generation
     cache._plans_of, cache._table = plans_of, table
     cache.built, cache.reused = built, len(plans_of) - built
@@ -370,22 +377,10 @@ def decide(
     pod_source = not node_source and _in_any(client_ip, cluster_cidrs)
     if plan.internal:
         return _decide_internal(plan, client_ip, node_source, pod_source, balancer, now, exclude)
-    if plan.policy_local and not node_source and not pod_source:
-        candidates = plan.local
-        if not candidates:
-            return Drop(
-                f"{plan.key} eTP=Local has no local endpoints "
-                f"({plan.remote_count} elsewhere)"
-            )
-        why = "eTP=Local, external client"
-    else:
-        candidates = plan.cluster
-        why = (
-            "node-originated" if node_source
-            else "pod-originated" if pod_source
-            else "eTP=Cluster"
-        )
-
+    chosen = _external_candidates(plan, node_source, pod_source)
+    if isinstance(chosen, Drop):
+        return chosen
+    candidates, why = chosen
     ep = balancer.pick(candidates, client_ip, now, plan.affinity_seconds, exclude)
     if ep is None:
         return Reject(f"{plan.key}: every eligible endpoint failed for {client_ip}")
@@ -398,6 +393,58 @@ def decide(
     return Forward(ep, snat, why)
 
 
+def _external_candidates(
+    plan: PortPlan, node_source: bool, pod_source: bool
+) -> tuple[tuple[EndpointInfo, ...], str] | Drop:
+    """eTP for an external address: the candidates and why, or ``Drop``."""
+    if plan.policy_local and not node_source and not pod_source:
+        if not plan.local:
+            return Drop(
+                f"{plan.key} eTP=Local has no local endpoints "
+                f"({plan.remote_count} elsewhere)"
+            )
+        return plan.local, "eTP=Local, external client"
+    why = "node-originated" if node_source else "pod-originated" if pod_source else "eTP=Cluster"
+    return plan.cluster, why
+
+
+def _internal_candidates(plan: PortPlan) -> tuple[tuple[EndpointInfo, ...], str] | Drop:
+    """iTP for a ClusterIP: the candidates and why, or ``Drop``."""
+    if plan.policy_local:
+        if not plan.local:
+            return Drop(
+                f"{plan.key} iTP=Local has no local endpoints ({plan.remote_count} elsewhere)"
+            )
+        return plan.local, "iTP=Local"
+    return plan.cluster, "iTP=Cluster"
+
+
+def still_eligible(
+    plan: PortPlan,
+    endpoint: EndpointInfo,
+    client_ip: str,
+    local_addresses: Collection[str],
+    cluster_cidrs: Collection[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+) -> bool:
+    """Whether a flow pinned to ``endpoint`` may stay on it under ``plan`` (a newer one).
+
+    The same candidates ``decide`` would pick from for this client: an
+    endpoint that is gone, no longer ready and serving, or (the terminating
+    fallback) passed over now that ready ones exist, is not one of them, so
+    the flow's next datagram is decided afresh. This is what kube-proxy's
+    stale-conntrack cleanup tries to do after the fact, for UDP.
+    """
+    if not plan.has_any:
+        return False
+    node_source = is_node_source(client_ip, local_addresses) or client_ip == plan.vip
+    pod_source = not node_source and _in_any(client_ip, cluster_cidrs)
+    chosen = (_internal_candidates(plan) if plan.internal
+              else _external_candidates(plan, node_source, pod_source))
+    if isinstance(chosen, Drop):
+        return False
+    return any(e.ip == endpoint.ip and e.port == endpoint.port for e in chosen[0])
+
+
 def _decide_internal(
     plan: PortPlan,
     client_ip: str,
@@ -408,16 +455,10 @@ def _decide_internal(
     exclude: Collection[tuple[str, int]],
 ) -> Decision:
     """A ClusterIP: iTP for every client, then ``ClusterIPSNAT`` (module docstring)."""
-    if plan.policy_local:
-        candidates = plan.local
-        if not candidates:
-            return Drop(
-                f"{plan.key} iTP=Local has no local endpoints ({plan.remote_count} elsewhere)"
-            )
-        why = "iTP=Local"
-    else:
-        candidates = plan.cluster
-        why = "iTP=Cluster"
+    chosen = _internal_candidates(plan)
+    if isinstance(chosen, Drop):
+        return chosen
+    candidates, why = chosen
     ep = balancer.pick(candidates, client_ip, now, plan.affinity_seconds, exclude)
     if ep is None:
         return Reject(f"{plan.key}: every eligible endpoint failed for {client_ip}")

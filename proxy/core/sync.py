@@ -2,7 +2,7 @@
 
 Owns: ``SyncConfig`` (what the node's flags say about the rules) and
 ``compute_sync``, which turns a ``Snapshot`` into a ``SyncResult``: the
-per-nodePort plans the dataplane serves, the addresses it listens on, the
+TCP and UDP plans the dataplane serves, the addresses it listens on, the
 healthCheckNodePorts and local ready endpoint counts that healthz serves,
 the node's eligibility, and the figures the sync metrics report. kube-proxy
 computes the same things inside each proxier's ``syncProxyRules`` before it
@@ -48,8 +48,8 @@ class SyncResult:
 
     generation: int
     plans: dict[PlanKey, PortPlan]
-    """The decision table by nodePort (TCP). Unchanged services keep their
-    PortPlan objects across syncs (``PlanCache``)."""
+    """The TCP decision table, by nodePort or (VIP, port). Unchanged services
+    keep their PortPlan objects across syncs (``PlanCache``)."""
     node_known: bool
     """Whether the snapshot has this node's Node object."""
     node_ips: tuple[str, ...]
@@ -72,6 +72,8 @@ class SyncResult:
     """Service ports whose ClusterIP traffic is dropped (iTP=Local, no local endpoint)."""
     trigger_times: Mapping[tuple[str, str], float]
     """Every slice's ``last-change-trigger-time``, by (namespace, name)."""
+    udp_plans: dict[PlanKey, PortPlan]
+    """The UDP decision table, keyed as ``plans`` (a port number may be in both)."""
 
 
 def _is_ipv4(address: str) -> bool:
@@ -82,14 +84,20 @@ def _is_ipv4(address: str) -> bool:
 
 
 def compute_sync(
-    snapshot: Snapshot, config: SyncConfig, cache: PlanCache | None = None
+    snapshot: Snapshot, config: SyncConfig, cache: PlanCache | None = None,
+    udp_cache: PlanCache | None = None,
 ) -> SyncResult:
-    """What ``snapshot`` means for ``config.node_name``; ``cache`` keeps unchanged plans."""
+    """What ``snapshot`` means for ``config.node_name``; the caches keep unchanged plans."""
     node = snapshot.node(config.node_name)
     node_ips = () if node is None else tuple(ip for ip in node.ips if _is_ipv4(ip))
     plans = build_plans(
         snapshot, config.node_name, config.masquerade_all, cache=cache, vips=config.vips
     )
+    udp_plans = build_plans(
+        snapshot, config.node_name, config.masquerade_all, cache=udp_cache, vips=config.vips,
+        protocol="UDP",
+    )
+    every = (*plans.values(), *udp_plans.values())
     listen_hosts = nodeport_addresses(node_ips, config.nodeport_cidrs, config.bind_localhost)
     health_hosts = (
         listen_hosts if config.bind_localhost
@@ -102,19 +110,21 @@ def compute_sync(
         node_ips=node_ips,
         node_eligible=node is not None and node.eligible,
         listen_hosts=listen_hosts,
-        vips=frozenset(plan.vip for plan in plans.values() if plan.vip is not None),
+        vips=frozenset(plan.vip for plan in every if plan.vip is not None),
         health_hosts=health_hosts,
         health_check_ports={
             s.key: s.health_check_node_port for s in snapshot.services if s.needs_health_check
         },
         local_ready=local_ready_counts(snapshot, config.node_name),
         # Per service port, as kube-proxy counts: its NodePort and its
-        # external VIPs drop together.
-        dropping=len({plan.key for plan in plans.values() if plan.drop_external}),
-        dropping_internal=len({plan.key for plan in plans.values() if plan.drop_all}),
+        # external VIPs drop together (a UDP port and a TCP one are two).
+        dropping=len({(plan.key, plan.port.protocol) for plan in every if plan.drop_external}),
+        dropping_internal=len({(plan.key, plan.port.protocol) for plan in every
+                               if plan.drop_all}),
         trigger_times={
             (sl.namespace, sl.name): sl.trigger_time
             for sl in snapshot.slices
             if sl.trigger_time is not None
         },
+        udp_plans=udp_plans,
     )
