@@ -136,3 +136,52 @@ VIP_REPAIRS = Counter(
     ["part"],
     registry=REGISTRY,
 )
+
+# UDP flows (kpx's own table; kube-proxy leaves UDP to conntrack and has no
+# equivalents).
+UDP_FLOWS_ACTIVE = Gauge(
+    "kubeproxy_kpx_udp_flows_active",
+    "UDP flows (client address and port to a service port) pinned to an endpoint now",
+    registry=REGISTRY,
+)
+UDP_FLOWS_CREATED = Counter(
+    "kubeproxy_kpx_udp_flows_created",
+    "UDP flows whose first datagram was decided and forwarded",
+    registry=REGISTRY,
+)
+UDP_FLOWS_EXPIRED = Counter(
+    "kubeproxy_kpx_udp_flows_expired",
+    "UDP flows ended for being idle past --conntrack-udp-timeout (never answered) or"
+    " --conntrack-udp-timeout-stream (answered)",
+    registry=REGISTRY,
+)
+UDP_FLOWS_EVICTED = Counter(
+    "kubeproxy_kpx_udp_flows_evicted",
+    "UDP flows ended to make room in a full table (--udp-flow-limit): the one idle longest",
+    registry=REGISTRY,
+)
+UDP_FLOWS_REPICKED = Counter(
+    "kubeproxy_kpx_udp_flows_repicked",
+    "UDP flows whose endpoint stopped being a candidate (gone, not ready, no longer"
+    " chosen), re-decided on their next datagram instead of going stale",
+    registry=REGISTRY,
+)
+UDP_DATAGRAMS = Counter(
+    "kubeproxy_kpx_udp_datagrams",
+    "UDP datagrams forwarded, by direction (to_endpoint, to_client)",
+    ["direction"],
+    registry=REGISTRY,
+)
+UDP_BYTES = Counter(
+    "kubeproxy_kpx_udp_bytes",
+    "UDP payload bytes forwarded, by direction (to_endpoint, to_client)",
+    ["direction"],
+    registry=REGISTRY,
+)
+UDP_DATAGRAMS_DROPPED = Counter(
+    "kubeproxy_kpx_udp_datagrams_dropped",
+    "UDP datagrams not forwarded, by reason: dropped (eTP=Local with no local endpoint, or"
+    " a full socket buffer) or rejected (no endpoint)",
+    ["reason"],
+    registry=REGISTRY,
+)

@@ -52,13 +52,14 @@ from healthz.sidecar import Sidecar
 from proxy.commands.check import add_max_bytes_flag
 from proxy.commands.workers import supervise
 from proxy.core.addresses import parse_nodeport_addresses
+from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM
 from proxy.core.sync import SyncConfig
 from proxy.lifecycle.ownership import Ownership, OwnershipError, Successor
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateFileSource
-from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.dataplane import UDP_FLOW_LIMIT, Dataplane
 from proxy.userspace.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
 from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
 from proxy.userspace.vips import LocalVIPs, VIPGuard
@@ -89,6 +90,30 @@ def parse_timeout(text: str) -> float:
 
 
 parse_timeout.__name__ = "duration"  # argparse names the type: "invalid duration value"
+
+
+def parse_positive(text: str) -> float:
+    """A duration above 0: a UDP flow that expires at once would re-pick every datagram."""
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return seconds
+
+
+parse_positive.__name__ = "duration"
+
+
+def parse_flow_limit(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return n
+
+
+parse_flow_limit.__name__ = "count"
 
 
 def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
@@ -181,6 +206,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="reset a half-closed connection (one side sent FIN) idle this long;"
         " 0: the established timeout applies (default 1h)",
     )
+    parser.add_argument(
+        "--conntrack-udp-timeout", type=parse_positive, default=UDP_TIMEOUT,
+        metavar="DURATION",
+        help="end a UDP flow that never got a reply after this long idle (default 30s)",
+    )
+    parser.add_argument(
+        "--conntrack-udp-timeout-stream", type=parse_positive, default=UDP_TIMEOUT_STREAM,
+        metavar="DURATION",
+        help="end a UDP flow that got replies after this long idle (default 2m)",
+    )
+    parser.add_argument(
+        "--udp-flow-limit", type=parse_flow_limit, default=UDP_FLOW_LIMIT, metavar="N",
+        help="UDP flows held at once; a new one in a full table evicts the flow idle"
+        f" the longest (default {UDP_FLOW_LIMIT}; each holds a socket)",
+    )
 
 
 def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | KubeAPISource:
@@ -252,6 +292,9 @@ async def serve(args: argparse.Namespace) -> int:
         install_routing=workers == 1,
         tcp_timeout_established=args.conntrack_tcp_timeout_established,
         tcp_timeout_close_wait=args.conntrack_tcp_timeout_close_wait,
+        udp_timeout=args.conntrack_udp_timeout,
+        udp_timeout_stream=args.conntrack_udp_timeout_stream,
+        udp_flow_limit=args.udp_flow_limit,
         inherited=claim.take_listeners() if claim is not None else None,
         local_vips=local_vips,
         vip_port=getattr(args, "vip_port", 0),

@@ -57,6 +57,7 @@ from proxy import metrics
 from proxy.core.addresses import LOCALHOST, Network
 from proxy.core.balancer import Balancer
 from proxy.core.decision import PlanKey, PortPlan
+from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM, FlowTable
 from proxy.core.sync import SyncResult
 from proxy.userspace import synfilter
 from proxy.userspace.forwarder import (
@@ -69,6 +70,7 @@ from proxy.userspace.forwarder import (
 from proxy.userspace.listener import AcceptSet, Listener
 from proxy.userspace.sklookup import SkLookup
 from proxy.userspace.transparent import RoutingConfig, TransparentRouting, transparent_capable
+from proxy.userspace.udp import UdpForwarder, UdpFront
 from proxy.userspace.vips import (
     LISTEN_ADDRESS,
     Interception,
@@ -80,6 +82,8 @@ from proxy.util.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
+UDP_FLOW_LIMIT = 4096
+"""Default ``--udp-flow-limit``: a socket each, next to the TCP relays' two per connection."""
 LOG_EACH_LISTENER_UP_TO = 32
 RECONCILE_BATCH = 128
 """Listener operations (open, close, filter) per slice of the loop: about 2 ms of binds.
@@ -96,32 +100,39 @@ VIPWant = tuple[Interception, bool, VIPTarget]
 ClientIP affinity (``--workers`` then steer by client IP), and the target to put in force."""
 
 
-def vip_rules(plans: Mapping[PlanKey, PortPlan],
-              passed: tuple[str, ...] = ()) -> tuple[Interception, bool]:
+def vip_rules(plans: Mapping[PlanKey, PortPlan], passed: tuple[str, ...] = (),
+              udp_plans: Mapping[PlanKey, PortPlan] | None = None) -> tuple[Interception, bool]:
     """Sort the VIP plans into served, dropped and (by leaving them out) rejected ports (pure).
 
     No endpoint anywhere (``plan.listen`` False): in no set, so the table
     rejects it. A ClusterIP with iTP=Local and nothing here: ``drop_all``. An
     external VIP with eTP=Local and nothing here: ``drop_external`` *and*
     ``served``, since pods and the node still get Cluster semantics. The
-    second value: some served port has ClientIP affinity.
+    second value: some served TCP port has ClientIP affinity. ``udp_plans``
+    fill the UDP sets the same way.
     """
-    served: set[VIPPort] = set()
-    drop_all: set[VIPPort] = set()
-    drop_external: set[VIPPort] = set()
-    affinity = False
-    for plan in plans.values():
-        if plan.vip is None or not plan.listen:
-            continue
-        key = (plan.vip, plan.port.port)
-        if plan.drop_all:
-            drop_all.add(key)
-            continue
-        if plan.drop_external:
-            drop_external.add(key)
-        served.add(key)
-        affinity = affinity or bool(plan.affinity_seconds)
-    rules = Interception(frozenset(served), frozenset(drop_all), frozenset(drop_external), passed)
+    def sort(table: Mapping[PlanKey, PortPlan]) -> tuple[frozenset[VIPPort], ...]:
+        served: set[VIPPort] = set()
+        drop_all: set[VIPPort] = set()
+        drop_external: set[VIPPort] = set()
+        for plan in table.values():
+            if plan.vip is None or not plan.listen:
+                continue
+            key = (plan.vip, plan.port.port)
+            if plan.drop_all:
+                drop_all.add(key)
+                continue
+            if plan.drop_external:
+                drop_external.add(key)
+            served.add(key)
+        return frozenset(served), frozenset(drop_all), frozenset(drop_external)
+
+    affinity = any(p.vip is not None and p.listen and not p.drop_all and p.affinity_seconds
+                   for p in plans.values())
+    served, drop_all, drop_external = sort(plans)
+    udp_served, udp_drop_all, udp_drop_external = sort(udp_plans or {})
+    rules = Interception(served, drop_all, drop_external, passed,
+                         udp_served, udp_drop_all, udp_drop_external)
     return rules, affinity
 
 
@@ -173,6 +184,9 @@ class Dataplane:
         inherited: Mapping[ListenerKey, socket.socket] | None = None,
         local_vips: LocalVIPs | None = None,
         vip_port: int = 0,
+        udp_timeout: float = UDP_TIMEOUT,
+        udp_timeout_stream: float = UDP_TIMEOUT_STREAM,
+        udp_flow_limit: int = UDP_FLOW_LIMIT,
     ) -> None:
         self.loop = loop
         self.local_vips = local_vips
@@ -217,6 +231,18 @@ class Dataplane:
         )
         self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs)
         """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``)."""
+        fwd = self.forwarder
+        self.udp = UdpForwarder(
+            loop, transparent=lambda: fwd.transparent, local_addresses=lambda: fwd.local_addresses,
+            cluster_cidrs=lambda: fwd.cluster_cidrs, warn=fwd.warn,
+            flows=FlowTable(udp_flow_limit, udp_timeout, udp_timeout_stream),
+        )
+        """UDP service ports: flows, their sockets, replies (``proxy.userspace.udp``)."""
+        self._udp_desired: dict[ListenerKey, PlanKey] = {}
+        self._udp_fronts: dict[ListenerKey, UdpFront] = {}
+        self._udp_failed: dict[ListenerKey, str] = {}
+        self._udp_vip_front: UdpFront | None = None
+        """The one socket every UDP VIP port is steered to (like ``_vip_listener``)."""
 
         self._balancers: dict[str, Balancer] = {}
         self._metrics: dict[str, PortMetrics] = {}
@@ -254,6 +280,7 @@ class Dataplane:
                           " refused", exc)
             # Now, not at the first sync: ``prepare`` then knows what can be served.
             self._open_vip_listener()
+            self._open_udp_vip_front()
 
     # -- public API --------------------------------------------------------------
 
@@ -283,6 +310,15 @@ class Dataplane:
         out += [(a, p, f"error: {why}") for (a, p), why in self._failed.items()]
         if self._vip_listener is not None:
             out.append((LISTEN_ADDRESS, self._vip_listener.port, self._vip_listener.state))
+        return sorted(out)
+
+    def udp_sockets(self) -> list[tuple[str, int, str]]:
+        """``(address, port, state)`` of every UDP socket that receives for a service, sorted."""
+        out = [(a, p, "serving") for (a, p) in self._udp_fronts]
+        out += [(a, p, f"error: {why}") for (a, p), why in self._udp_failed.items()]
+        vf = self._udp_vip_front
+        if vf is not None and vf.sock is not None:
+            out.append((vf.host, vf.port, "serving"))
         return sorted(out)
 
     def listening_sockets(self) -> list[tuple[ListenerKey, socket.socket]]:
@@ -366,6 +402,8 @@ class Dataplane:
         self._desired = (
             desired if desired is not None else self._desired_for(sync.plans, sync.listen_hosts)
         )
+        self.udp.swap(sync.udp_plans)
+        self._udp_desired = self._udp_desired_for(sync.udp_plans, sync.listen_hosts)
         if self.local_vips is not None:
             if vips is None:
                 try:
@@ -381,14 +419,18 @@ class Dataplane:
 
     def _vip_want(self, sync: SyncResult) -> VIPWant:
         """``vip_rules`` of the sync and its ``VIPTarget``; ValueError for a bad VIP."""
-        wanted, affinity = vip_rules(sync.plans, self._passed)
+        wanted, affinity = vip_rules(sync.plans, self._passed, sync.udp_plans)
         return wanted, affinity, self._vip_target(sync.vips, wanted)
 
     def _steerable(self, wanted: Interception) -> Interception:
-        """What can be served now: nothing without the VIP listener or the program."""
-        if self._vip_listener is not None and self._sk is not None:
-            return wanted
-        return dataclasses.replace(wanted, served=frozenset())
+        """What can be served now: nothing without the program, or without its socket."""
+        if self._sk is None:
+            return dataclasses.replace(wanted, served=frozenset(), udp_served=frozenset())
+        if self._vip_listener is None:
+            wanted = dataclasses.replace(wanted, served=frozenset())
+        if self._udp_vip_front is None:
+            wanted = dataclasses.replace(wanted, udp_served=frozenset())
+        return wanted
 
     def _vip_target(self, vips: frozenset[str], wanted: Interception) -> VIPTarget:
         """The VIPs and table ``wanted`` asks for, as far as they can be served now.
@@ -415,8 +457,10 @@ class Dataplane:
         if vl is None and wanted.served:
             vl = self._open_vip_listener()
         assert target.rules is not None
-        if target.rules.served != self._steerable(wanted).served:
-            target = self._vip_target(target.vips, wanted)  # the listener came or went
+        steerable = self._steerable(wanted)
+        if (target.rules.served, target.rules.udp_served) != (steerable.served,
+                                                              steerable.udp_served):
+            target = self._vip_target(target.vips, wanted)  # a socket came or went
         if vl is not None:
             self._set_vip_steering(vl, affinity)
         if not target.same(self._vips_wanted):
@@ -436,9 +480,11 @@ class Dataplane:
                 # Steering is a superset of the routes at every instant: new
                 # pairs before their route exists, gone ones after it went. A
                 # local route without steering would answer its SYNs with RST.
-                await self._steer(rules.served | (self._sk.served if self._sk else set()))
+                sk = self._sk
+                await self._steer(rules.served | (sk.served if sk else set()),
+                                  rules.udp_served | (sk.served_of("UDP") if sk else set()))
                 await self.local_vips.sync_async(target)
-                await self._steer(rules.served)
+                await self._steer(rules.served, rules.udp_served)
             except (OSError, ValueError, RuntimeError) as exc:
                 log.error("cannot put %d service VIPs in force: %s; retrying in %.1fs",
                           len(target.vips), exc, self.retry_interval)
@@ -446,17 +492,19 @@ class Dataplane:
                 continue
             self._vips_applied = target
             metrics.SERVICE_VIPS.set(len(target.vips))
-            metrics.SERVICE_VIP_PORTS.set(len(rules.served))
+            metrics.SERVICE_VIP_PORTS.set(len(rules.served) + len(rules.udp_served))
             vl = self._vip_listener
             log.info("service VIPs in force (generation %d): %d VIPs, %d ports steered to"
                      " %s:%d, %d dropping", generation, len(target.vips), len(rules.served),
                      LISTEN_ADDRESS, vl.port if vl is not None else 0,
                      len(rules.drop_all) + len(rules.drop_external))
 
-    async def _steer(self, served: frozenset[tuple[str, int]]) -> None:
+    async def _steer(self, served: frozenset[VIPPort], udp_served: frozenset[VIPPort]) -> None:
         if self._sk is not None:
             for _ in self._sk.changes(served):
                 await asyncio.sleep(0)  # a batch syscall each: let connections in
+            for _ in self._sk.changes(udp_served, proto="UDP"):
+                await asyncio.sleep(0)
 
     async def vips_synced(self) -> None:
         """Wait until the VIPs and rules of the latest ``apply`` are in force (tests, bench)."""
@@ -500,6 +548,71 @@ class Dataplane:
         self._vip_listener = lis
         return lis
 
+    def _open_udp_vip_front(self) -> None:
+        """The one UDP socket every UDP VIP port is steered to; logged and retried if it fails."""
+        front = UdpFront(self.udp, LISTEN_ADDRESS, 0, None, "service VIPs")
+        try:
+            front.open()
+            if self._sk is not None:
+                assert front.sock is not None
+                self._sk.steer_to(front.sock)
+        except OSError as exc:
+            front.close()
+            log.error("cannot open the UDP service VIP socket on %s: %s; every UDP VIP port is"
+                      " rejected until it can", LISTEN_ADDRESS, exc.strerror or exc)
+            self._schedule_retry()
+            return
+        self._udp_vip_front = front
+
+    # -- UDP NodePorts ---------------------------------------------------------------
+
+    @staticmethod
+    def _udp_desired_for(plans: Mapping[PlanKey, PortPlan], hosts: Iterable[str]
+                         ) -> dict[ListenerKey, PlanKey]:
+        """The UDP NodePort sockets ``plans`` want: one per host, none without endpoints."""
+        hosts = tuple(hosts)
+        return {(a, plan.port.node_port): key for key, plan in plans.items()
+                if plan.listen and plan.vip is None for a in hosts}
+
+    def _reconcile_udp(self) -> None:
+        """Bind what is wanted and missing, close what is not (REJECT is the closed port).
+
+        UDP NodePorts are few next to TCP's, so this runs in one piece.
+        """
+        want = self._udp_desired if self._accepting else {}
+        for key in [k for k in self._udp_fronts if self._udp_fronts[k].table_key != want.get(k)]:
+            self._udp_fronts.pop(key).close()
+            log.info("closed UDP socket %s:%d", *key)
+        self._udp_failed = {k: v for k, v in self._udp_failed.items() if k in want}
+        for key, table_key in want.items():
+            if key in self._udp_fronts:
+                continue
+            plan = self.udp.ports[table_key].plan
+            front = UdpFront(self.udp, key[0], key[1], table_key, plan.key)
+            try:
+                front.open(self.reuse_port)
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+                if self._udp_failed.get(key) != why:
+                    log.error("cannot listen on UDP %s:%d for %s: %s; retrying every %.1fs",
+                              key[0], key[1], plan.key, why, self.retry_interval)
+                self._udp_failed[key] = why
+                continue
+            self._udp_failed.pop(key, None)
+            self._udp_fronts[key] = front
+            log.info("listening on UDP %s:%d for %s", key[0], key[1], plan.key)
+        if self._udp_failed:
+            self._schedule_retry()
+
+    def _close_udp(self) -> None:
+        for front in self._udp_fronts.values():
+            front.close()
+        self._udp_fronts.clear()
+        self._udp_failed.clear()
+        if self._udp_vip_front is not None:
+            self._udp_vip_front.close()
+            self._udp_vip_front = None
+
     def _set_vip_steering(self, lis: Listener, affinity: bool) -> None:
         try:
             lis.set_steering(self.workers if self.workers > 1 and affinity else 0)
@@ -528,6 +641,7 @@ class Dataplane:
             self._blocked.discard(self._vip_listener)
             self._vip_listener = None
         self._close_inherited(all_of_them=True)
+        self._close_udp()
         self._failed.clear()
         self._blocked.clear()
         self._update_gauge()
@@ -554,6 +668,7 @@ class Dataplane:
         self._close_listeners()
         self.accept_set.close()
         self.forwarder.close()
+        self.udp.close()
         if self._vips_task is not None:
             self._vips_task.cancel()
         if self._sk is not None:
@@ -623,6 +738,7 @@ class Dataplane:
         """Start reconciling listeners to ``_desired``; a big change continues in slices."""
         if not self._accepting:
             return
+        self._reconcile_udp()
         self._cancel_reconcile()
         self._reconcile_started = time.perf_counter()
         self._reconciling = self._reconcile_steps()
@@ -768,10 +884,16 @@ class Dataplane:
         self._retry_handle = None
         if not self._accepting or self._closed:
             return
-        if self._vips_wanted is not None and self._vip_listener is None:
-            # The VIP listener failed to bind: again, for what the last apply wanted.
-            self._sync_vips(*vip_rules(self._plans, self._passed), self._vips_wanted)
-        if self._failed:
+        reopened = False
+        if self._udp_vip_front is None and self._sk is not None:
+            self._open_udp_vip_front()
+            reopened = self._udp_vip_front is not None
+        if self._vips_wanted is not None and (self._vip_listener is None or reopened):
+            # A VIP socket failed to bind, or has just bound: again, for what the
+            # last apply wanted (``_sync_vips`` re-renders when what is servable changed).
+            self._sync_vips(*vip_rules(self._plans, self._passed, self.udp.plans()),
+                            self._vips_wanted)
+        if self._failed or self._udp_failed:
             self._reconcile()
 
     def _on_blocked(self, lis: Listener) -> None:

@@ -1,14 +1,23 @@
-"""Every service VIP's connections to one listener: an eBPF ``sk_lookup`` program.
+"""Every service VIP's connections and datagrams to one socket: an eBPF ``sk_lookup`` program.
 
 Owns: in the namespace kpx runs in, one ``BPF_PROG_TYPE_SK_LOOKUP`` program
-linked to the namespace, a hash map of the served ``(VIP, port)`` pairs and a
-one-slot sockmap holding the VIP listener. When the kernel looks for the
-listening socket of a TCP SYN to a local address (the VIPs are local:
-``proxy.userspace.vips``), the program finds the pair in the map and hands
-the lookup the VIP listener (``bpf_sk_assign``), whatever address that
-socket is bound to; every other SYN goes on to the normal lookup. The
-accepted socket's own address is the VIP and port the client dialled, so
-``getsockname()`` says which service it is.
+linked to the namespace, a hash map of the served ``(VIP, port, protocol)``
+triples and a two-slot sockmap: slot 0 the TCP VIP listener, slot 1 the UDP
+VIP socket. When the kernel looks for the socket of a TCP SYN or of a UDP
+datagram to a local address (the VIPs are local: ``proxy.userspace.vips``),
+the program finds the triple in the map and hands the lookup the socket of
+that protocol's slot (``bpf_sk_assign``), whatever address that socket is
+bound to; everything else (other protocols, pairs not served for that
+protocol, an empty slot) goes on to the normal lookup. TCP and UDP on the
+same ``VIP:port`` are independent entries, as Services declare them.
+
+The accepted TCP socket's own address is the VIP and port the client
+dialled, so ``getsockname()`` says which service it is. A UDP socket has no
+per-flow socket: it learns the VIP and port a datagram was sent to from
+``IP_RECVORIGDSTADDR`` (``IP_PKTINFO`` gives the address but not the port),
+and answers as the VIP with ``IP_PKTINFO``'s ``ipi_spec_dst``; the source
+port of an answer is always the socket's own port, which ``IP_PKTINFO``
+cannot change.
 
 Never: touch another namespace, or outlive the process: the program and
 maps are reference-counted by their fds (no pinning), so they go when kpx
@@ -37,7 +46,7 @@ ways to reach one listener for many addresses (figures: docs/PERFORMANCE.md,
 The socket lookup is the last step of local delivery, after the bridge and
 every hook, so the program sees pods, the node's own processes (over
 ``lo``) and outside clients alike, with no conntrack and no rule per VIP.
-No compiler or library is needed: the program is 31 instructions written
+No compiler or library is needed: the program is 35 instructions written
 here, loaded with bpf(2) through ctypes.
 """
 
@@ -110,66 +119,90 @@ def _ld_map(dst: int, fd: int) -> bytes:
     return _insn(0x18, dst, BPF_PSEUDO_MAP_FD, 0, fd) + _insn(0)
 
 
-def program(pairs_fd: int, sockmap_fd: int) -> bytes:
-    """The sk_lookup program: a served IPv4 TCP ``(local_ip4, local_port)`` goes to the socket.
+PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
+"""The protocols the program steers, by the names Services use; sk_lookup knows no others."""
+SLOTS = {"TCP": 0, "UDP": 1}
+"""The sockmap slot of each protocol's socket (the program hard-codes TCP 0, UDP 1)."""
+_SLOT_OF_TYPE = {socket.SOCK_STREAM: "TCP", socket.SOCK_DGRAM: "UDP"}
 
-    The pair map's key is the context's ``local_ip4`` (network order) then
-    ``local_port`` (host order, u32), exactly as the program stores them.
+
+def program(pairs_fd: int, sockmap_fd: int) -> bytes:
+    """The sk_lookup program: a served IPv4 ``(local_ip4, local_port, protocol)`` to its socket.
+
+    The pair map's key is the context's ``local_ip4`` (network order), then
+    ``local_port`` (host order, u32), then ``protocol`` (u32), exactly as the
+    program stores them (``pair_key``). The sockmap slot follows the
+    protocol: TCP 0, UDP 1 (``SLOTS``); the kernel would refuse a socket of
+    the other protocol anyway (``-EPROTOTYPE``), and a missing one is passed.
     """
-    to_pass = 29  # the slot of ``r0 = SK_PASS``; a jump's offset counts from the next slot
+    to_pass = 33  # the slot of ``r0 = SK_PASS``; a jump's offset counts from the next slot
+    tcp, udp = socket.IPPROTO_TCP, socket.IPPROTO_UDP
     return b"".join([
         _insn(0xBF, 6, 1),                                    # 0  r6 = ctx
         _insn(0x61, 2, 6, CTX_FAMILY),                        # 1  r2 = ctx->family
         _insn(0x55, 2, 0, to_pass - 3, socket.AF_INET),       # 2  not IPv4: pass
-        _insn(0x61, 2, 6, CTX_PROTOCOL),                      # 3  r2 = ctx->protocol
-        _insn(0x55, 2, 0, to_pass - 5, socket.IPPROTO_TCP),   # 4  not TCP: pass
-        _insn(0x61, 2, 6, CTX_LOCAL_IP4),                     # 5  key[0:4] = local_ip4
-        _insn(0x63, 10, 2, -8),                               # 6
-        _insn(0x61, 2, 6, CTX_LOCAL_PORT),                    # 7  key[4:8] = local_port
-        _insn(0x63, 10, 2, -4),                               # 8
-        _insn(0xBF, 2, 10),                                   # 9  r2 = &key
-        _insn(0x07, 2, 0, 0, -8),                             # 10
-        _ld_map(1, pairs_fd),                                 # 11-12 r1 = pairs
-        _insn(0x85, 0, 0, 0, HELPER_MAP_LOOKUP),              # 13 r0 = lookup(pairs, &key)
-        _insn(0x15, 0, 0, to_pass - 15, 0),                   # 14 not served: pass
-        _insn(0x62, 10, 0, -12, 0),                           # 15 zero = 0
-        _insn(0xBF, 2, 10),                                   # 16 r2 = &zero
-        _insn(0x07, 2, 0, 0, -12),                            # 17
-        _ld_map(1, sockmap_fd),                               # 18-19 r1 = sockmap
-        _insn(0x85, 0, 0, 0, HELPER_MAP_LOOKUP),              # 20 r0 = the listener, referenced
-        _insn(0x15, 0, 0, to_pass - 22, 0),                   # 21 none: pass
-        _insn(0xBF, 7, 0),                                    # 22 r7 = sk
-        _insn(0xBF, 1, 6),                                    # 23 sk_assign(ctx, sk, 0)
-        _insn(0xBF, 2, 7),                                    # 24
-        _insn(0xB7, 3, 0, 0, 0),                              # 25
-        _insn(0x85, 0, 0, 0, HELPER_SK_ASSIGN),               # 26
-        _insn(0xBF, 1, 7),                                    # 27 sk_release(sk)
-        _insn(0x85, 0, 0, 0, HELPER_SK_RELEASE),              # 28
-        _insn(0xB7, 0, 0, 0, SK_PASS),                        # 29 pass: r0 = SK_PASS
-        _insn(0x95),                                          # 30 exit
+        _insn(0x61, 7, 6, CTX_PROTOCOL),                      # 3  r7 = ctx->protocol
+        _insn(0xB7, 8, 0, 0, SLOTS["TCP"]),                   # 4  r8 = slot = TCP's
+        _insn(0x15, 7, 0, 8 - 6, tcp),                        # 5  TCP: to the key
+        _insn(0xB7, 8, 0, 0, SLOTS["UDP"]),                   # 6  r8 = slot = UDP's
+        _insn(0x55, 7, 0, to_pass - 8, udp),                  # 7  neither TCP nor UDP: pass
+        _insn(0x61, 2, 6, CTX_LOCAL_IP4),                     # 8  key[0:4] = local_ip4
+        _insn(0x63, 10, 2, -12),                              # 9
+        _insn(0x61, 2, 6, CTX_LOCAL_PORT),                    # 10 key[4:8] = local_port
+        _insn(0x63, 10, 2, -8),                               # 11
+        _insn(0x63, 10, 7, -4),                               # 12 key[8:12] = protocol
+        _insn(0xBF, 2, 10),                                   # 13 r2 = &key
+        _insn(0x07, 2, 0, 0, -12),                            # 14
+        _ld_map(1, pairs_fd),                                 # 15-16 r1 = pairs
+        _insn(0x85, 0, 0, 0, HELPER_MAP_LOOKUP),              # 17 r0 = lookup(pairs, &key)
+        _insn(0x15, 0, 0, to_pass - 19, 0),                   # 18 not served: pass
+        _insn(0x63, 10, 8, -16),                              # 19 slot, on the stack
+        _insn(0xBF, 2, 10),                                   # 20 r2 = &slot
+        _insn(0x07, 2, 0, 0, -16),                            # 21
+        _ld_map(1, sockmap_fd),                               # 22-23 r1 = sockmap
+        _insn(0x85, 0, 0, 0, HELPER_MAP_LOOKUP),              # 24 r0 = the socket, referenced
+        _insn(0x15, 0, 0, to_pass - 26, 0),                   # 25 none: pass
+        _insn(0xBF, 7, 0),                                    # 26 r7 = sk
+        _insn(0xBF, 1, 6),                                    # 27 sk_assign(ctx, sk, 0)
+        _insn(0xBF, 2, 7),                                    # 28
+        _insn(0xB7, 3, 0, 0, 0),                              # 29
+        _insn(0x85, 0, 0, 0, HELPER_SK_ASSIGN),               # 30
+        _insn(0xBF, 1, 7),                                    # 31 sk_release(sk)
+        _insn(0x85, 0, 0, 0, HELPER_SK_RELEASE),              # 32
+        _insn(0xB7, 0, 0, 0, SK_PASS),                        # 33 pass: r0 = SK_PASS
+        _insn(0x95),                                          # 34 exit
     ])
 
 
-def pair_key(ip: str, port: int) -> bytes:
-    return socket.inet_aton(ip) + struct.pack("=I", port)
+def pair_key(ip: str, port: int, proto: str = "TCP") -> bytes:
+    """The pair map's key for ``ip:port`` over ``proto`` (the layout ``program`` builds)."""
+    return socket.inet_aton(ip) + struct.pack("=II", port, PROTOCOLS[proto])
+
+
+def _proto(proto: str) -> str:
+    if proto not in PROTOCOLS:
+        raise ValueError(f"sk_lookup steers TCP and UDP only, not {proto!r}")
+    return proto
 
 
 class SkLookup:
-    """The namespace-linked program, its pair map and its one-socket sockmap.
+    """The namespace-linked program, its pair map and its two-socket sockmap.
 
     Construct it in the namespace to serve (OSError if the kernel refuses:
-    no ``sk_lookup``, no CAP_BPF); ``steer_to(sock)`` sets the listener;
-    ``pairs(...)`` yields the pair map changes as batch syscalls, so a
-    caller on the event loop can yield between them; ``close()`` unlinks.
+    no ``sk_lookup``, no CAP_BPF); ``steer_to(sock)`` sets the TCP listener
+    or the UDP socket; ``changes(served, proto)`` yields the pair map
+    changes for one protocol as batch syscalls, so a caller on the event
+    loop can yield between them; ``close()`` unlinks.
     """
 
     def __init__(self) -> None:
         self._fds: list[int] = []
         try:
             self.pairs_fd = self._keep(_bpf(BPF_MAP_CREATE, struct.pack(
-                "=IIIII", BPF_MAP_TYPE_HASH, 8, 1, MAX_PAIRS, BPF_F_NO_PREALLOC)))
+                "=IIIII", BPF_MAP_TYPE_HASH, len(pair_key("0.0.0.0", 0)), 1, MAX_PAIRS,
+                BPF_F_NO_PREALLOC)))
             self.sockmap_fd = self._keep(_bpf(BPF_MAP_CREATE, struct.pack(
-                "=IIIII", BPF_MAP_TYPE_SOCKMAP, 4, 8, 1, 0)))
+                "=IIIII", BPF_MAP_TYPE_SOCKMAP, 4, 8, len(SLOTS), 0)))
             self.prog_fd = self._keep(self._load(program(self.pairs_fd, self.sockmap_fd)))
             netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -180,8 +213,17 @@ class SkLookup:
         except BaseException:
             self.close()
             raise
-        self.served: set[tuple[str, int]] = set()
-        """The pairs the map holds now (updated batch by batch)."""
+        self._served: dict[str, set[tuple[str, int]]] = {proto: set() for proto in PROTOCOLS}
+        """Per protocol, the pairs the map holds now (updated batch by batch)."""
+
+    @property
+    def served(self) -> set[tuple[str, int]]:
+        """The TCP pairs the map holds now (the dataplane's VIP listener's)."""
+        return self._served["TCP"]
+
+    def served_of(self, proto: str) -> set[tuple[str, int]]:
+        """The pairs the map holds now for ``proto`` ("TCP" or "UDP")."""
+        return self._served[_proto(proto)]
 
     def _keep(self, fd: int) -> int:
         self._fds.append(fd)
@@ -204,36 +246,46 @@ class SkLookup:
                           f"{': ' + ' / '.join(why) if why else ''}") from None
 
     def steer_to(self, sock: socket.socket) -> None:
-        """Make ``sock`` (a listening TCP socket) the one every served pair goes to."""
-        key = ctypes.create_string_buffer(struct.pack("=I", 0), 4)
+        """Make ``sock`` the one every served pair of its protocol goes to.
+
+        A listening TCP socket (``SOCK_STREAM``) takes the TCP slot, a bound
+        UDP socket (``SOCK_DGRAM``) the UDP one: the type says which, so a
+        caller cannot put a socket where the kernel would refuse to assign it.
+        """
+        proto = _SLOT_OF_TYPE.get(sock.type)
+        if proto is None:
+            raise ValueError(f"sk_lookup steers to TCP or UDP sockets, not {sock.type!r}")
+        key = ctypes.create_string_buffer(struct.pack("=I", SLOTS[proto]), 4)
         value = ctypes.create_string_buffer(struct.pack("=Q", sock.fileno()), 8)
         _bpf(BPF_MAP_UPDATE_ELEM, struct.pack(
             "=IIQQQ", self.sockmap_fd, 0, ctypes.addressof(key), ctypes.addressof(value), 0))
 
-    def changes(self, served: frozenset[tuple[str, int]]) -> Iterator[None]:
-        """Make the pair map ``served``: one batch syscall per ``next``.
+    def changes(self, served: frozenset[tuple[str, int]], proto: str = "TCP") -> Iterator[None]:
+        """Make the map's ``proto`` pairs ``served``: one batch syscall per ``next``.
 
-        Adds first, then deletes. On OSError the map holds what the batches
-        before it did, and ``served`` says so.
+        Adds first, then deletes; the other protocol's pairs are left as
+        they are. On OSError the map holds what the batches before it did,
+        and ``served_of(proto)`` says so.
         """
-        add = list(served.difference(self.served))
-        gone = list(self.served.difference(served))
+        mine = self._served[_proto(proto)]
+        add = list(served.difference(mine))
+        gone = list(mine.difference(served))
         for i in range(0, len(add), BATCH):
             chunk = add[i:i + BATCH]
-            self._batch(BPF_MAP_UPDATE_BATCH, chunk)
-            self.served.update(chunk)
+            self._batch(BPF_MAP_UPDATE_BATCH, chunk, proto)
+            mine.update(chunk)
             yield
         for i in range(0, len(gone), BATCH):
             chunk = gone[i:i + BATCH]
-            self._batch(BPF_MAP_DELETE_BATCH, chunk)
-            self.served.difference_update(chunk)
+            self._batch(BPF_MAP_DELETE_BATCH, chunk, proto)
+            mine.difference_update(chunk)
             yield
 
-    def _batch(self, cmd: int, pairs: Iterable[tuple[str, int]]) -> None:
+    def _batch(self, cmd: int, pairs: Iterable[tuple[str, int]], proto: str) -> None:
         pairs = list(pairs)
         if not pairs:
             return
-        keys = ctypes.create_string_buffer(b"".join(pair_key(a, p) for a, p in pairs))
+        keys = ctypes.create_string_buffer(b"".join(pair_key(a, p, proto) for a, p in pairs))
         values = ctypes.create_string_buffer(b"\1" * len(pairs))
         # { u64 in_batch, out_batch, keys, values; u32 count, map_fd; u64 elem_flags, flags }
         attr = struct.pack("=QQQQIIQQ", 0, 0, ctypes.addressof(keys),

@@ -95,7 +95,8 @@ def nft_ruleset(cfg: RoutingConfig) -> str:
         f"table inet {cfg.nft_table} {{\n"
         f"  chain prerouting {{\n"
         f"    type filter hook prerouting priority mangle; policy accept;\n"
-        f"    meta l4proto tcp socket transparent 1 meta mark set meta mark or {cfg.mark:#x}\n"
+        f"    meta l4proto {{ tcp, udp }} socket transparent 1"
+        f" meta mark set meta mark or {cfg.mark:#x}\n"
         f"  }}\n"
         f"}}\n"
     )

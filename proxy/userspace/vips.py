@@ -205,6 +205,12 @@ class Interception:
     drop_all: frozenset[VIPPort] = frozenset()
     drop_external: frozenset[VIPPort] = frozenset()
     passed: tuple[str, ...] = ()
+    udp_served: frozenset[VIPPort] = frozenset()
+    """UDP ports, as the three TCP sets: steered to the UDP socket, dropped
+    (every datagram, not only a first one), or else rejected with ICMP port
+    unreachable, which is what kube-proxy's REJECT sends for UDP."""
+    udp_drop_all: frozenset[VIPPort] = frozenset()
+    udp_drop_external: frozenset[VIPPort] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -280,8 +286,11 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE)
     there is no moment without rules. The guard looks at SYNs only
     (``tcp flags & (syn | ack) == syn``): the rest of a connection, and a
     node process's own packets *from* a VIP (its replies), pass untouched.
-    The drop and reject rules count what they turn away (``nft list table
-    ip kpx_vips``): an operator's first question about a timing-out VIP.
+    UDP has no first packet to tell apart, so ``udp_guard`` judges every
+    datagram to a VIP: dropped, steered, or rejected with ICMP port
+    unreachable (kube-proxy's REJECT for UDP). The drop and reject rules
+    count what they turn away (``nft list table ip kpx_vips``): an
+    operator's first question about a timing-out VIP.
     """
     def pairs(s: frozenset[VIPPort]) -> str:
         return _elements(f"{a} . {p}" for a, p in ordered(s))
@@ -296,9 +305,21 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE)
         f"  set drop_all {{ type ipv4_addr . inet_service;{pairs(rules.drop_all)} }}\n"
         f"  set drop_external {{ type ipv4_addr . inet_service;{pairs(rules.drop_external)} }}\n"
         f"  set passed {{ type ipv4_addr; flags interval;{cidrs} }}\n"
+        f"  set udp_served {{ type ipv4_addr . inet_service;{pairs(rules.udp_served)} }}\n"
+        f"  set udp_drop_all {{ type ipv4_addr . inet_service;{pairs(rules.udp_drop_all)} }}\n"
+        f"  set udp_drop_external {{ type ipv4_addr . inet_service;"
+        f"{pairs(rules.udp_drop_external)} }}\n"
+        f"  chain udp_guard {{\n"
+        f"    ip daddr . udp dport @udp_drop_all counter drop\n"
+        f"    ip daddr . udp dport @udp_drop_external ip saddr != @passed"
+        f" fib saddr type != local counter drop\n"
+        f"    ip daddr . udp dport @udp_served return\n"
+        f"    counter reject with icmp type port-unreachable\n"
+        f"  }}\n"
         f"  chain guard {{\n"
         f"    type filter hook prerouting priority mangle; policy accept;\n"
         f"    ip daddr != @vips return\n"
+        f"    meta l4proto udp jump udp_guard\n"
         f"    tcp flags & (syn | ack) != syn return\n"
         f"    ip daddr . tcp dport @drop_all counter drop\n"
         f"    ip daddr . tcp dport @drop_external ip saddr != @passed"
@@ -319,15 +340,20 @@ def _rules_steps(script: str) -> Steps[None]:
 def rule_counters(listing: str) -> dict[str, int]:
     """Packets each counting rule of ``nft list chain/table ip kpx_vips`` turned away.
 
-    Keys: ``drop_all``, ``drop_external``, ``reject``.
+    Keys: ``drop_all``, ``drop_external``, ``reject``, and the same three
+    with ``udp_`` for UDP datagrams.
     """
     out: dict[str, int] = {}
+    udp = ""
     for line in listing.splitlines():
+        if line.strip().startswith("chain "):
+            udp = "udp_" if line.split()[1] == "udp_guard" else ""
         m = re.search(r"counter packets (\d+)", line)
         if m is None:
             continue
-        key = ("drop_all" if "@drop_all" in line else "drop_external"
-               if "@drop_external" in line else "reject" if "reject" in line else None)
+        key = ("drop_all" if "drop_all" in line else "drop_external"
+               if "drop_external" in line else "reject" if "reject" in line else None)
+        key = None if key is None else udp + key
         if key is not None:
             out[key] = int(m.group(1))
     return out
