@@ -3,7 +3,8 @@
 Run as ``python -m lab.echo --name web-1 --node node1 --port 8080``.
 
 Owns: one TCP server whose protocol is chosen by the client's first line,
-so one process covers every lab test:
+and one UDP server on the same port number, so one process covers every lab
+test (and the bench's UDP backend). TCP:
 
 - an HTTP/1.x request line (``GET / HTTP/1.1``): HTTP with keep-alive.
   ``/clientip`` answers ``ip:port`` as text (as agnhost netexec does),
@@ -23,6 +24,25 @@ A PROXY protocol v1 or v2 header before the first line (sent by a proxying
 load balancer) is parsed and its source reported as ``"proxy"``, while
 ``"peer"`` stays the TCP peer the kernel shows.
 
+UDP: one reply datagram per request datagram, to the sender's address:
+
+- empty, or starting with ``WHO``: one JSON object
+  ``{"pod", "node", "peer": "ip:port", "proto": "udp"}``, where ``peer`` is
+  the source address of the request as the kernel shows it (a SNATing proxy's
+  address, or the client's when the path keeps it);
+- starting with ``ECHO `` (with the space): the rest of the datagram, the
+  bytes after that 5-byte prefix, verbatim, so a test checks payload
+  integrity datagram by datagram;
+- anything else: the datagram unchanged. A plain echo is what a bench or a
+  DNS-like probe needs: it answers whatever it sends, at any size.
+
+Replies leave from the port the request came to. Their source address is
+the route's choice, so a pod with several addresses bound to ``0.0.0.0``
+may answer from another one than was asked (and a connected client drops
+the reply): bind ``--bind`` to the one address in that case, as the bench
+does. An ICMP error caused by an earlier reply (the client already gone) is
+ignored: UDP has no connection to tear down.
+
 Never: import anything but the standard library and uvloop (not the rest of
 the lab, not pyroute2 or YAML): it runs once per pod, inside the pod's
 namespace, and must start fast.
@@ -40,7 +60,7 @@ import signal
 import socket
 import struct
 import sys
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlsplit
 
 CHUNK = 256 * 1024
@@ -188,6 +208,39 @@ class EchoServer:
         return "200 OK", "application/json", json.dumps(reply).encode() + b"\n"
 
 
+class EchoDatagrams(asyncio.DatagramProtocol):
+    """The UDP side: one reply per datagram, computed by ``udp_reply``."""
+
+    def __init__(self, server: EchoServer) -> None:
+        self.server = server
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Not an isinstance check: uvloop's UDPTransport does not subclass
+        # asyncio.DatagramTransport, it only has its methods.
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if self.transport is not None:
+            self.transport.sendto(udp_reply(self.server, data, addr), addr)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP port unreachable for an earlier reply: that client is gone, and
+        # a UDP server has nothing to clean up for it.
+        pass
+
+
+def udp_reply(server: EchoServer, data: bytes, addr: Any) -> bytes:
+    """The reply datagram to ``data`` from ``addr`` (see the module docstring)."""
+    if not data or data.startswith(b"WHO"):
+        reply = server.identity(_addr(addr), None)
+        reply["proto"] = "udp"
+        return json.dumps(reply).encode() + b"\n"
+    if data.startswith(b"ECHO "):
+        return data[5:]
+    return data
+
+
 def _parse_proxy_v1(line: bytes) -> str | None:
     # PROXY TCP4 <src> <dst> <sport> <dport>\r\n  |  PROXY UNKNOWN\r\n
     parts = line.decode("ascii").split()
@@ -219,13 +272,20 @@ async def serve(pod: str, node: str, host: str, port: int) -> None:
     server = EchoServer(pod, node)
     srv = await asyncio.start_server(server.handle, host, port, limit=LINE_LIMIT,
                                      reuse_address=True, backlog=1024)
-    print(f"echo: pod {pod} on {node} listening on {host}:{port}", flush=True)
+    # The same port number for UDP: a Service port and its targetPort are
+    # numbers, and kube-dns style services carry 53/TCP and 53/UDP together.
+    udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+        lambda: EchoDatagrams(server), local_addr=(host, port))
+    print(f"echo: pod {pod} on {node} listening on {host}:{port} (tcp, udp)", flush=True)
     stop = asyncio.get_running_loop().create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or
                                                       stop.set_result(None))
-    async with srv:
-        await stop
+    try:
+        async with srv:
+            await stop
+    finally:
+        udp.close()
     print("echo: stopped", flush=True)
 
 

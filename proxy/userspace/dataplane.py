@@ -590,8 +590,18 @@ class Dataplane:
             plan = self.udp.ports[table_key].plan
             front = UdpFront(self.udp, key[0], key[1], table_key, plan.key)
             try:
-                front.open(self.reuse_port)
+                # Always SO_REUSEPORT: a restart's successor binds beside this
+                # process (which closes its copy when it stops accepting)
+                # instead of failing until it has gone, and ``--workers`` share
+                # the port. With workers, a client's datagrams all meet one of
+                # them (by source IP), so flows and ClientIP affinity hold.
+                front.open(reuse_port=True)
+                if self.workers > 1:
+                    assert front.sock is not None
+                    synfilter.attach_reuseport(
+                        front.sock, synfilter.reuseport_steering_program(self.workers))
             except OSError as exc:
+                front.close()
                 why = exc.strerror or str(exc)
                 if self._udp_failed.get(key) != why:
                     log.error("cannot listen on UDP %s:%d for %s: %s; retrying every %.1fs",

@@ -1,13 +1,14 @@
 """Observing the wire and the kernel from outside the proxy: raw SYNs and ``ss``.
 
-Owns: the one scapy SYN probe. ``syn_answers(netns, targets, window)`` runs
+Owns: the scapy probes. ``syn_answers(netns, targets, window)`` runs
 this module as a script (``python -m tests.support.probes``) inside a
 namespace: it sends one pure SYN per target from a source port no socket
 owns, sniffs ``window`` seconds on ``iface`` and reports the TCP flags of
 every answer per target, plus any ICMP the targets sent. ``syn_probe``
 classifies the first answer the way the dataplane tests state it: a dropped
 SYN gets *no* answer at all (``none``), a rejected one an RST at once
-(``rst``), a served one a SYN-ACK (``synack``).
+(``rst``), a served one a SYN-ACK (``synack``). ``udp_answers`` does the
+same with one UDP datagram per target: replies and ICMP, or silence.
 
 Also: ``ss_listening`` (LISTEN sockets, ``ss -ltnH``) and ``ss_drops`` (a
 listener's drop counter, ``ss -m``), optionally inside a namespace.
@@ -44,6 +45,27 @@ def syn_answers(netns: str, targets: Iterable[tuple[str, int]], window: float = 
         raise AssertionError(f"scapy probe failed ({done.returncode}):\n{done.stderr}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return result["tcp"], result["icmp"]
+
+
+def udp_answers(netns: str, targets: Iterable[tuple[str, int]], window: float = 1.5,
+                iface: str = "eth0") -> tuple[dict[str, list[str]], list[str]]:
+    """One raw ``WHO`` datagram per target from ``netns``; sniff ``window`` seconds.
+
+    Returns ``({"ip:port": [each UDP reply's payload]}, [icmp errors about the
+    targets, "target type/code"])``: silence is two empty lists, a rejected
+    port an ICMP ``3/3`` (port unreachable) and no reply.
+    """
+    argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.probes",
+            json.dumps([list(t) for t in targets]), str(window), iface, "udp"]
+    try:
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                              timeout=30 + window, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"scapy probe hung: {exc}") from exc
+    if done.returncode != 0:
+        raise AssertionError(f"scapy probe failed ({done.returncode}):\n{done.stderr}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["udp"], result["icmp"]
 
 
 def first_answer(flags: list[str]) -> str:
@@ -96,24 +118,36 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     import threading
     import time
 
-    from scapy.all import ICMP, IP, TCP, AsyncSniffer, conf  # type: ignore[attr-defined]
+    from scapy.all import ICMP, IP, TCP, UDP, AsyncSniffer, IPerror, conf  # type: ignore[attr-defined]
     from scapy.supersocket import L3RawSocket
 
     conf.verb = 0
     targets = [tuple(t) for t in json.loads(argv[0])]
     window, iface = float(argv[1]), argv[2]
+    udp = len(argv) > 3 and argv[3] == "udp"
     sports = random.sample(_SPORTS, len(targets))
     want = {(ip, port, sp): f"{ip}:{port}" for (ip, port), sp in zip(targets, sports, strict=True)}
     ips = {ip for ip, _ in targets}
     seen: dict[str, list[str]] = {f"{ip}:{port}": [] for ip, port in targets}
     icmp: list[str] = []
 
+    def about(p) -> str:
+        """The target an ICMP error is about: the quoted datagram's destination.
+
+        Not the ICMP's source: an error made in prerouting (an nft ``reject``
+        for a VIP) leaves from the node's address toward the client.
+        """
+        return p[IPerror].dst if IPerror in p else p[IP].src
+
     def keep(p) -> bool:
-        if IP not in p or p[IP].src not in ips:
+        if IP not in p:
+            return False
+        if ICMP in p:
+            return about(p) in ips
+        if p[IP].src not in ips:
             return False  # our own SYNs, and the kernel's RST to any SYN-ACK, are ignored
-        if TCP in p:
-            return (p[IP].src, p[TCP].sport, p[TCP].dport) in want
-        return ICMP in p
+        l4 = UDP if udp else TCP
+        return l4 in p and (p[IP].src, p[l4].sport, p[l4].dport) in want
 
     started = threading.Event()
     sniffer = AsyncSniffer(iface=iface, store=True, lfilter=keep,
@@ -124,18 +158,24 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     raw = L3RawSocket()
     try:
         for (ip, port, sp) in want:
-            raw.send(IP(dst=ip) / TCP(sport=sp, dport=port, flags="S",
-                                      seq=random.getrandbits(32)))
+            if udp:
+                raw.send(IP(dst=ip) / UDP(sport=sp, dport=port) / b"WHO")
+            else:
+                raw.send(IP(dst=ip) / TCP(sport=sp, dport=port, flags="S",
+                                          seq=random.getrandbits(32)))
     finally:
         raw.close()
     time.sleep(window)  # the observation window: silence is the thing measured
     sniffer.stop()
     for p in sniffer.results or []:
-        if TCP in p:
-            seen[want[(p[IP].src, p[TCP].sport, p[TCP].dport)]].append(str(p[TCP].flags))
+        if ICMP in p:
+            icmp.append(f"{about(p)} {p[ICMP].type}/{p[ICMP].code}")
+        elif udp:
+            seen[want[(p[IP].src, p[UDP].sport, p[UDP].dport)]].append(
+                bytes(p[UDP].payload).decode(errors="replace"))
         else:
-            icmp.append(f"{p[IP].src} {p[ICMP].type}/{p[ICMP].code}")
-    print(json.dumps({"tcp": seen, "icmp": icmp}))
+            seen[want[(p[IP].src, p[TCP].sport, p[TCP].dport)]].append(str(p[TCP].flags))
+    print(json.dumps({"udp" if udp else "tcp": seen, "icmp": icmp}))
 
 
 if __name__ == "__main__":

@@ -145,3 +145,33 @@ def test_a_full_table_evicts_the_flow_idle_the_longest_never_the_new_one() -> No
     assert table.add(again) == [c]  # the same key replaced: the old socket comes back
     with pytest.raises(ValueError):
         FlowTable(limit=0)
+
+
+def test_udp_vip_ports_get_their_own_guard_sets() -> None:
+    """vip_rules sorts UDP plans into the UDP sets; the guard's counters tell them apart."""
+    from proxy.userspace.dataplane import vip_rules
+    from proxy.userspace.vips import nft_script, rule_counters
+
+    snap = snapshot(REMOTE_EP)
+    tcp = build_plans(snap, HERE, vips=True)
+    udp = build_plans(snap, HERE, vips=True, protocol="UDP")
+    rules, _ = vip_rules(tcp, ("10.244.0.0/16",), udp)
+    assert rules.served == rules.udp_served == frozenset({("10.96.0.10", 53)})
+    local = snapshot(REMOTE_EP, etp="Local")  # the ClusterIP follows iTP: still served
+    rules, _ = vip_rules({}, (), build_plans(local, HERE, vips=True, protocol="UDP"))
+    assert rules.udp_served == frozenset({("10.96.0.10", 53)}) and not rules.served
+    script = nft_script({"10.96.0.10"}, rules)
+    assert "set udp_served { type ipv4_addr . inet_service; elements = { 10.96.0.10 . 53 }; }" \
+        in script
+    listing = """table ip kpx_vips {
+        chain udp_guard {
+                ip daddr . udp dport @udp_drop_all counter packets 4 bytes 0 drop
+                counter packets 7 bytes 60 reject
+        }
+        chain guard {
+                ip daddr . tcp dport @drop_all counter packets 1 bytes 0 drop
+                meta l4proto tcp counter packets 2 bytes 0 reject with tcp reset
+        }
+}"""
+    assert rule_counters(listing) == {"udp_drop_all": 4, "udp_reject": 7, "drop_all": 1,
+                                      "reject": 2}
