@@ -1,7 +1,8 @@
 """The backends every contender forwards to: HTTP, the exact bulk sink and iperf3 per pod.
 
 Owns: the backends' configuration, starting them in the pod namespaces (an
-HAProxy per HTTP address, a ``bench.bulk`` sink and an iperf3 server per pod),
+HAProxy per HTTP address, a ``bench.bulk`` sink and an iperf3 server per pod,
+and, when the ``udp`` workload runs, a ``lab.echo`` per pod for UDP),
 waiting until they listen, checking they are still up, and stopping them.
 
 Never: run a backend outside a pod namespace or stop anything it did not
@@ -16,6 +17,15 @@ probe knows which endpoint a connection reached.
 
 Timeouts are long so the 10,000 idle connections of the mem workload stay
 open while RSS is sampled; ``maxconn`` is high enough for them.
+
+Why ``lab.echo`` as the UDP backend: it echoes any datagram that is not a
+``WHO``/``ECHO`` command unchanged and answers ``WHO`` with its name, which
+is both the udp load's server and its functional probe. It is Python (one
+uvloop process, about 5 us per datagram), so on the direct and kernel paths
+it shares the ceiling with the client; a proxy in the middle costs far more.
+It is bound to one address of its pod (pod1 has two, and a reply sent from
+the other would be dropped by the client's connected socket), and runs only
+when ``udp`` does, so the TCP workloads' pods are exactly as before.
 """
 
 from __future__ import annotations
@@ -25,12 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.procs import Proc, nofile_hard_limit
-from bench.topology import POD1_ALT_IP, POD1_IP, POD2_IP, Topology, read_tcp_table
+from bench.topology import (
+    POD1_ALT_IP,
+    POD1_IP,
+    POD2_IP,
+    Topology,
+    read_tcp_table,
+    udp_bound_ports,
+)
 from lab.common import poll
 
 HTTP_PORT = 8080
 IPERF_PORT = 5201
 BULK_PORT = 5202
+UDP_PORT = 5353
+"""The UDP echo's port in each pod: the bench service's UDP targetPort."""
 BACKEND_MAXCONN = 19000
 
 
@@ -81,9 +100,11 @@ def haproxy_http_config(binds: list[tuple[str, str]]) -> str:
 class Backends:
     """Start/stop the pod backends for the whole bench run."""
 
-    def __init__(self, topo: Topology, log_dir: Path) -> None:
+    def __init__(self, topo: Topology, log_dir: Path, udp: bool = False) -> None:
         self.topo = topo
         self.log_dir = log_dir
+        self.udp = udp
+        """Also start the UDP echo (only when the udp workload runs)."""
         self.procs: dict[str, Proc] = {}
 
     def start(self) -> None:
@@ -91,6 +112,15 @@ class Backends:
             ("pod1", [(POD1_IP, "pod1-a"), (POD1_ALT_IP, "pod1-b")]),
             ("pod2", [(POD2_IP, "pod2")]),
         ):
+            if self.udp:
+                ip, name = binds[0]
+                self.procs[f"udp-{role}"] = Proc(
+                    f"backend-udp-{role}",
+                    self.topo.exec_argv(role, [sys.executable, "-m", "lab.echo", "--name", name,
+                                               "--node", role.replace("pod", "node"),
+                                               "--bind", ip, "--port", str(UDP_PORT)]),
+                    self.log_dir,
+                ).start()
             cfg = self.log_dir / f"backend-{role}.cfg"
             cfg.write_text(haproxy_http_config(binds))
             self.procs[f"http-{role}"] = Proc(
@@ -112,11 +142,13 @@ class Backends:
             ).start()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        """Block until both pods listen on the HTTP, bulk and iperf3 ports, or raise with logs."""
+        """Block until both pods listen on the HTTP, bulk and iperf3 ports (and UDP), or raise."""
         for role in ("pod1", "pod2"):
             def listening(role: str = role) -> bool:
                 table = self.topo.thread(role).call(read_tcp_table)
                 ports = {lp for lp, _, st in table if st == "LISTEN"}
+                if self.udp and UDP_PORT not in self.topo.thread(role).call(udp_bound_ports):
+                    return False
                 return {HTTP_PORT, IPERF_PORT, BULK_PORT} <= ports
             if not poll(listening, timeout, 0.05):
                 raise RuntimeError(f"backends in {role} not listening: {self.check()}")

@@ -1,4 +1,4 @@
-"""``kpx bench``: kpx against direct, the kernel, HAProxy and naive asyncio, in one run.
+"""``kpx bench``: kpx against direct, the kernel, HAProxy, naive asyncio and socat, in one run.
 
 Owns: the ``kpx bench`` flags and their meaning (``build_config``), checking
 and, unless ``--no-install``, apt-installing the load generators it needs,
@@ -10,7 +10,10 @@ removes it all again.
 Flags choose what runs; ``--quick`` is a complete but short run (one run per
 cell, short durations, local path only, 20 endpoint changes) meant to finish
 in under three minutes; the default is the full run the lead measures with
-(three runs per cell, both paths, 100 endpoint changes).
+(three runs per cell, both paths, 100 endpoint changes). The ``udp``
+workload runs only when named (``--workloads udp``, or a list with it): the
+default run stays what it was before UDP, and so does the default contender
+list, to which udp adds socat (UDP only) when it runs.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from bench.contenders import CONTENDER_ORDER
+from bench.contenders import CONTENDER_ORDER, UDP_ONLY, default_contenders
 from bench.control import ControlSettings
-from bench.results import WORKLOADS
+from bench.results import DEFAULT_WORKLOADS, WORKLOADS
 from bench.runner import Bench, Config
 from bench.workloads import Settings
 
@@ -36,6 +39,9 @@ PATHS = ("local", "cross")
 ALL_PATHS = (*PATHS, "clusterip")
 TOOLS = {"ip": "iproute2", "nft": "nftables", "haproxy": "haproxy", "wrk": "wrk",
          "iperf3": "iperf3", "sysctl": "procps"}
+UDP_TOOLS = {"socat": "socat"}
+"""Installed when the udp workload runs with socat, but never required: without it the
+socat contender is reported unavailable and everything else runs."""
 
 
 def _csv(allowed: tuple[str, ...]):  # type: ignore[no-untyped-def]
@@ -59,11 +65,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="short complete run: 1 run per cell, local path, < 3 minutes")
     parser.add_argument("--duration", type=float, metavar="S",
-                        help="seconds per bulk/rr/cps run (default 5/10/10, quick 2/3/3)")
+                        help="seconds per bulk/rr/cps run (default 5/10/10, quick 2/3/3); "
+                             "udp runs as long as rr")
     parser.add_argument("--workloads", type=_csv(WORKLOADS), metavar="LIST",
-                        help=f"comma list of {','.join(WORKLOADS)} (default: all)")
+                        help=f"comma list of {','.join(WORKLOADS)} (default: "
+                             f"{','.join(DEFAULT_WORKLOADS)}; udp only when named)")
     parser.add_argument("--contenders", type=_csv(CONTENDER_ORDER), metavar="LIST",
-                        help=f"comma list of {','.join(CONTENDER_ORDER)} (default: all)")
+                        help=f"comma list of {','.join(CONTENDER_ORDER)} (default: all, "
+                             f"{','.join(UDP_ONLY)} only with the udp workload)")
     parser.add_argument("--runs", type=int, metavar="N",
                         help="runs per contender and workload (default 3, quick 1)")
     parser.add_argument("--paths", type=_csv(ALL_PATHS), metavar="LIST",
@@ -96,7 +105,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep process logs and state files even when nothing failed")
     parser.add_argument("--no-install", action="store_true",
-                        help="do not apt-get install missing tools (haproxy, wrk, iperf3, nft)")
+                        help="do not apt-get install missing tools (haproxy, wrk, iperf3, nft; "
+                             "socat for udp)")
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -119,14 +129,15 @@ def build_config(args: argparse.Namespace) -> Config:
         idle_seconds=args.idle_seconds if args.idle_seconds is not None else (2.0 if q else 5.0),
     )
     paths = args.paths or (["local"] if q else list(PATHS))
+    workloads = args.workloads or list(DEFAULT_WORKLOADS)
     return Config(
         quick=q,
         runs=args.runs or (1 if q else 3),
         paths=paths,
         # RSS per connection does not depend on where the endpoint is: measure once.
         mem_paths=["local"] if "local" in paths else paths[:1],
-        workloads=args.workloads or list(WORKLOADS),
-        contenders=args.contenders or list(CONTENDER_ORDER),
+        workloads=workloads,
+        contenders=args.contenders or default_contenders(workloads),
         out=args.out,
         kpx=args.kpx or _default_kpx(),
         etp=args.etp,
@@ -143,29 +154,31 @@ def _default_kpx() -> str:
     return shutil.which("kpx") or "kpx"
 
 
-def ensure_tools(install: bool) -> list[str]:
-    """Missing tools after an optional apt-get install; the issue wants haproxy installed."""
-    missing = [t for t in TOOLS if shutil.which(t) is None]
+def ensure_tools(install: bool, optional: dict[str, str] | None = None) -> list[str]:
+    """Missing required tools after an optional apt-get install (the issue wants haproxy
+    installed). ``optional`` tools are installed alongside but never reported missing."""
+    tools = {**TOOLS, **(optional or {})}
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing and install and shutil.which("apt-get"):
-        pkgs = sorted({TOOLS[t] for t in missing})
+        pkgs = sorted({tools[t] for t in missing})
         print(f"kpx bench: installing {' '.join(pkgs)} with apt-get", file=sys.stderr)
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
         subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *pkgs],
                        check=False, env=env)
-        missing = [t for t in TOOLS if shutil.which(t) is None]
-    return missing
+    return [t for t in TOOLS if shutil.which(t) is None]
 
 
 def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("kpx bench: needs root (network namespaces, nftables)", file=sys.stderr)
         return 2
-    missing = ensure_tools(not args.no_install)
+    cfg = build_config(args)
+    optional = UDP_TOOLS if "udp" in cfg.workloads and "socat" in cfg.contenders else None
+    missing = ensure_tools(not args.no_install, optional)
     if missing:
         print(f"kpx bench: missing tools: {', '.join(missing)}", file=sys.stderr)
         return 2
-    cfg = build_config(args)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt

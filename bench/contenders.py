@@ -10,7 +10,10 @@ its own round and stopped by pid (and its nft table deleted) after it.
 
 Every contender forwards the same two services to the same backends: "http"
 (the HAProxy static 200 on :8080, for rr/cps/mem) and "bulk" (the exact
-sender/receiver sink on :5202). Each contender has its own front ports, so
+sender/receiver sink on :5202), and a UDP port to the pods' ``lab.echo`` on
+:5353 (the udp workload) when it forwards UDP at all: HAProxy has no UDP,
+so its udp cells are n/a, and socat, the userspace UDP peer, forwards only
+UDP (its TCP cells are n/a). Each contender has its own front ports, so
 nothing left over from one (TIME_WAIT, conntrack) can collide with the next.
 Only one contender runs at a time: the kernel's nft table is loaded only for
 its own runs, since a NAT table in node1 turns on conntrack for everything
@@ -19,14 +22,17 @@ crossing it and would tax the others.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench import k8s_state
-from bench.backends import BACKENDS, BULK_PORT, HTTP_PORT, IPERF_PORT, BackendSet
+from bench.backends import BACKENDS, BULK_PORT, HTTP_PORT, IPERF_PORT, UDP_PORT, BackendSet
 from bench.procs import Proc, nofile_hard_limit
 from bench.topology import (
     NODE1_IP,
@@ -38,6 +44,7 @@ from bench.topology import (
     Topology,
     listening_ports,
     sh,
+    udp_bound_ports,
 )
 from lab.common import poll, write_atomic
 
@@ -45,6 +52,11 @@ NFT_TABLE = "kpxbench"
 VIP_PORTS = (80, BULK_PORT, IPERF_PORT)
 """The bench service's ports on its ClusterIP (http, bulk, iperf3): the same for every
 contender on the clusterip path, as a ClusterIP is one address for the whole cluster."""
+VIP_UDP_PORT = 53
+"""The bench service's UDP port (targetPort ``UDP_PORT``), kube-dns style."""
+UDP_OFFSET = 4
+"""A contender's UDP front port is ``port_base + 4`` (kpx's UDP nodePort): http +0,
+bulk +1, control +2, iperf3 +3 are taken."""
 
 
 def client_role(path: str) -> str:
@@ -64,6 +76,8 @@ class Target:
     bulk_port: int
     iperf_port: int
     """Only for ``--bulk-tool iperf3`` (base + 3: kpx's base + 2 is the control workload's)."""
+    udp_port: int = 0
+    """The udp workload's port (base + 4, the VIP's 53, or the pod's 5353); 0: no UDP."""
 
 
 def http_get(ip: str, port: int, timeout: float = 2.0) -> str:
@@ -83,6 +97,42 @@ def http_get(ip: str, port: int, timeout: float = 2.0) -> str:
     return body.strip()
 
 
+def udp_who(ip: str, port: int, timeout: float = 5.0, every: float = 0.25) -> dict[str, Any]:
+    """``WHO`` to ``lab.echo`` over UDP, resent every ``every`` s until ``timeout``.
+
+    Resent because a datagram may be lost while a proxy sets its flow up (or
+    is still applying its state); bounded by ``timeout``. Raises OSError with
+    what was seen: an ICMP port unreachable (nothing bound there) reads
+    differently from silence (something swallowed the datagram).
+    """
+    refused = 0
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, port))
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                s.send(b"WHO")
+                s.settimeout(min(every, left))
+                data = s.recv(65535)
+            except ConnectionRefusedError:
+                refused += 1
+                time.sleep(min(every, max(0.0, deadline - time.monotonic())))
+                continue
+            except TimeoutError:
+                continue
+            try:
+                reply = json.loads(data)
+            except ValueError:
+                raise OSError(f"UDP {ip}:{port} answered {data[:60]!r}, not lab.echo's WHO "
+                              f"JSON") from None
+            if not isinstance(reply, dict):
+                raise OSError(f"UDP {ip}:{port} answered {data[:60]!r}")
+            return reply
+    why = (f"ICMP port unreachable {refused} times: nothing is bound there" if refused
+           else "no reply and no ICMP error: the datagrams were dropped on the way")
+    raise OSError(f"no UDP reply from {ip}:{port} within {timeout:g}s ({why})")
+
+
 class Contender:
     """Base: a way through node1. Subclasses set the class attributes below."""
 
@@ -92,7 +142,24 @@ class Contender:
     """False for direct: no NodePort, the client dials the pod."""
     has_process = True
     """Whether there is a process whose RSS the mem workload can measure."""
+    tcp = True
+    """Forwards the TCP services (bulk, rr, cps, mem)."""
+    udp = True
+    """Forwards the UDP service (the udp workload)."""
+    no_udp = ""
+    """Why not, when ``udp`` is False (the udp cell's n/a reason)."""
     port_base = 0
+
+    @classmethod
+    def serves(cls, workload: str) -> str | None:
+        """None when this contender takes part in ``workload``, else why not (an n/a cell)."""
+        if workload == "udp":
+            return None if cls.udp else cls.no_udp or f"{cls.name} forwards no UDP"
+        if not cls.tcp:
+            return f"{cls.name} forwards UDP only"
+        if workload == "mem" and not cls.has_process:
+            return "no proxy process: forwarding happens in the kernel"
+        return None
 
     def __init__(self, topo: Topology, log_dir: Path) -> None:
         self.topo = topo
@@ -105,8 +172,9 @@ class Contender:
 
     def target(self) -> Target:
         if self.path == "clusterip":
-            return Target(SERVICE_VIP, *VIP_PORTS)
-        return Target(NODE1_IP, self.port_base, self.port_base + 1, self.port_base + 3)
+            return Target(SERVICE_VIP, *VIP_PORTS, udp_port=VIP_UDP_PORT)
+        return Target(NODE1_IP, self.port_base, self.port_base + 1, self.port_base + 3,
+                      udp_port=self.port_base + UDP_OFFSET)
 
     @property
     def client_role(self) -> str:
@@ -129,7 +197,12 @@ class Contender:
         return None
 
     def verify(self) -> None:
-        """An HTTP GET through the contender must reach the expected pod."""
+        """An HTTP GET through the contender must reach the expected pod (for a
+        UDP-only contender, a UDP ``WHO``; the udp workload asks every contender
+        its own ``WHO`` first, so a proxy without UDP fails that cell alone)."""
+        if not self.tcp:
+            self.verify_udp()
+            return
         t = self.target()
         want = self.backend().name
         last = ""
@@ -144,6 +217,31 @@ class Contender:
             last = f"GET http://{t.ip}:{t.http_port}/ reached {got!r}, expected {want!r}"
         dead = self.alive_problem()
         raise ContenderError(dead or last)
+
+    def verify_udp(self, timeout: float = 5.0) -> dict[str, Any]:
+        """A UDP ``WHO`` through the contender must reach the expected pod; returns its reply."""
+        t = self.target()
+        want = self.backend().name
+        try:
+            reply = self.topo.thread(self.client_role).call(udp_who, t.ip, t.udp_port, timeout,
+                                                            timeout=timeout + 10)
+        except OSError as e:
+            raise ContenderError(self.alive_problem() or str(e)) from e
+        if reply.get("pod") != want:
+            raise ContenderError(f"UDP WHO to {t.ip}:{t.udp_port} reached "
+                                 f"{reply.get('pod')!r}, expected {want!r}")
+        return reply
+
+    def wait_udp_bound(self, proc: Proc, ports: set[int], timeout: float) -> None:
+        """Until node1 has UDP sockets on ``ports``; a dead process fails at once."""
+        ok = poll(lambda: not proc.alive()
+                  or ports <= self.topo.thread("node1").call(udp_bound_ports), timeout, 0.05)
+        if not proc.alive():
+            raise ContenderError(
+                f"{self.name} exited rc={proc.returncode()} during start-up: {proc.why()}")
+        if not ok:
+            raise ContenderError(f"{self.name} not bound to UDP {sorted(ports)} after "
+                                 f"{timeout:.0f}s: {proc.why()}")
 
     def wait_listening(self, proc: Proc | None, ports: set[int], timeout: float) -> None:
         """Until node1 has listeners on ``ports``; a dead process fails at once with its log."""
@@ -172,7 +270,7 @@ class Direct(Contender):
     has_process = False
 
     def target(self) -> Target:
-        return Target(self.backend().http_ip, HTTP_PORT, BULK_PORT, IPERF_PORT)
+        return Target(self.backend().http_ip, HTTP_PORT, BULK_PORT, IPERF_PORT, UDP_PORT)
 
 
 class Kernel(Contender):
@@ -183,6 +281,10 @@ class Kernel(Contender):
 
     def ruleset(self) -> str:
         """DNAT of the front address (node1's IP, or the ClusterIP) + masquerade.
+
+        The UDP rule is the TCP one with ``udp``: conntrack keeps a UDP flow
+        by its 4-tuple, so each of the udp workload's flows is DNATed once and
+        its replies are un-NATed on the way back, as kube-proxy does for DNS.
 
         On the clusterip path the same rules are keyed on the VIP (DNAT in
         prerouting, before routing: no local address needed), masquerade kept
@@ -197,6 +299,7 @@ class Kernel(Contender):
             f"    ip daddr {t.ip} tcp dport {t.http_port} dnat to {b}:{HTTP_PORT}\n"
             f"    ip daddr {t.ip} tcp dport {t.bulk_port} dnat to {b}:{BULK_PORT}\n"
             f"    ip daddr {t.ip} tcp dport {t.iperf_port} dnat to {b}:{IPERF_PORT}\n"
+            f"    ip daddr {t.ip} udp dport {t.udp_port} dnat to {b}:{UDP_PORT}\n"
             "  }\n"
             "  chain post {\n"
             "    type nat hook postrouting priority srcnat; policy accept;\n"
@@ -259,6 +362,8 @@ class HAProxy(ProcessContender):
     name = "haproxy"
     description = "HAProxy TCP mode, nbthread 1, default buffers"
     port_base = 30200
+    udp = False
+    no_udp = "HAProxy has no UDP proxying (socat and naive are the userspace UDP peers)"
 
     def unavailable(self) -> str | None:
         if sh(["sh", "-c", "command -v haproxy"], check=False).returncode != 0:
@@ -313,7 +418,8 @@ class HAProxy(ProcessContender):
 
 class Naive(ProcessContender):
     name = "naive"
-    description = "asyncio Streams copy loop, default event loop (bench/naive_proxy.py)"
+    description = ("asyncio Streams copy loop, default event loop; UDP: a DatagramProtocol "
+                   "relay, one upstream socket per client (bench/naive_proxy.py)")
     port_base = 30300
 
     def start(self, path: str) -> None:
@@ -322,31 +428,74 @@ class Naive(ProcessContender):
         t = self.target()
         specs = [f"{t.ip}:{t.http_port}={b}:{HTTP_PORT}",
                  f"{t.ip}:{t.bulk_port}={b}:{BULK_PORT}",
-                 f"{t.ip}:{t.iperf_port}={b}:{IPERF_PORT}"]
+                 f"{t.ip}:{t.iperf_port}={b}:{IPERF_PORT}",
+                 f"udp:{t.ip}:{t.udp_port}={b}:{UDP_PORT}"]
         self.add_vip_route()
         self.proc = Proc(f"naive-{path}",
                          self.topo.exec_argv("node1", [sys.executable, "-m", "bench.naive_proxy",
                                                        *specs]),
                          self.log_dir, nofile=nofile_hard_limit()).start()
         self.wait_listening(self.proc, {t.http_port, t.bulk_port}, 15.0)
+        self.wait_udp_bound(self.proc, {t.udp_port}, 5.0)
+
+
+class Socat(ProcessContender):
+    """socat ``UDP4-LISTEN,fork``: the userspace UDP peer HAProxy cannot be.
+
+    Why socat: it is what an operator reaches for to relay UDP, it is C, and
+    its fork per flow is the textbook naive design (each flow a process with
+    its own connected sockets; the per-datagram work is then one blocking
+    read and write in C). What it costs is the fork at a flow's first
+    datagram, which the udp client's warm-up keeps out of the steady-state
+    rate, and a process per flow, which 50 flows on 2 cores feel. ``-T 30``
+    ends a child idle for 30 s, so children stay bounded between runs.
+    """
+
+    name = "socat"
+    description = "socat UDP4-LISTEN,fork,reuseaddr -> UDP4 (a process per flow), UDP only"
+    port_base = 30600
+    tcp = False
+
+    def unavailable(self) -> str | None:
+        if sh(["sh", "-c", "command -v socat"], check=False).returncode != 0:
+            return "socat is not installed (apt-get install socat; .ci/system-deps does it)"
+        return None
+
+    def argv(self) -> list[str]:
+        t = self.target()
+        b = self.backend().http_ip
+        return ["socat", "-T", "30",
+                f"UDP4-LISTEN:{t.udp_port},bind={t.ip},fork,reuseaddr",
+                f"UDP4:{b}:{UDP_PORT}"]
+
+    def start(self, path: str) -> None:
+        super().start(path)
+        self.add_vip_route()
+        self.proc = Proc(f"socat-{path}", self.topo.exec_argv("node1", self.argv()),
+                         self.log_dir).start()
+        self.wait_udp_bound(self.proc, {self.target().udp_port}, 10.0)
 
 
 def bench_state(path: str, http_node_port: int, bulk_node_port: int,
                 extra: list[k8s_state.ServiceSpec] | None = None, etp: str = "Cluster",
-                iperf_node_port: int | None = None) -> str:
+                iperf_node_port: int | None = None, udp_node_port: int | None = None) -> str:
     """The kpx state for one path: the bench service plus ``extra`` services.
 
     Ports: http (80 -> 8080), bulk (5202) and iperf3 (5201; nodePort defaults
-    to ``http_node_port + 3``, the contender's iperf front port).
+    to ``http_node_port + 3``, the contender's iperf front port), and with
+    ``udp_node_port`` a UDP port ``echo-udp`` (53 -> 5353), kube-dns style: a
+    mixed-protocol service, the slice port carrying ``protocol: UDP`` too.
     """
     ep = k8s_state.Ep(POD1_IP, "node1") if path == "local" else k8s_state.Ep(POD2_IP, "node2")
     http, bulk, iperf = VIP_PORTS
+    udp = (k8s_state.Port("echo-udp", VIP_UDP_PORT, UDP_PORT, udp_node_port, "UDP"),) \
+        if udp_node_port else ()
     svc = k8s_state.ServiceSpec(
         name="bench",
         ports=(k8s_state.Port("http", http, HTTP_PORT, http_node_port),
                k8s_state.Port("bulk", bulk, BULK_PORT, bulk_node_port),
                k8s_state.Port("iperf", iperf, IPERF_PORT,
-                              iperf_node_port or http_node_port + 3)),
+                              iperf_node_port or http_node_port + 3), *udp),
         endpoints=(ep,),
         etp=etp,
         cluster_ip=SERVICE_VIP,
@@ -363,10 +512,14 @@ class Kpx(ProcessContender):
     workers = 0
     start_timeout = 30.0
 
-    def __init__(self, topo: Topology, log_dir: Path, kpx: str, etp: str = "Cluster") -> None:
+    def __init__(self, topo: Topology, log_dir: Path, kpx: str, etp: str = "Cluster",
+                 udp_service: bool = False) -> None:
         super().__init__(topo, log_dir)
         self.kpx = kpx
         self.etp = etp
+        self.udp_service = udp_service
+        """Give the bench service its UDP port (only when the udp workload runs, so
+        the TCP workloads measure the same kpx state as before UDP existed)."""
         self.state_path = log_dir / f"state-{self.name}.yaml"
         self._help: str | None = None
 
@@ -417,9 +570,10 @@ class Kpx(ProcessContender):
         t = self.target()
         # NodePorts are the contender's own ports on every path; the ClusterIP's
         # ports (VIP_PORTS) are what the clusterip path's target dials.
+        udp_node_port = self.port_base + UDP_OFFSET if self.udp_service else None
         write_atomic(self.state_path,
                      state or bench_state(path, self.port_base, self.port_base + 1,
-                                          etp=self.etp))
+                                          etp=self.etp, udp_node_port=udp_node_port))
         self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
                          self.log_dir, nofile=nofile_hard_limit()).start()
         if path != "clusterip":
@@ -452,17 +606,37 @@ class KpxWorkers(Kpx):
     workers = 2
 
 
-CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2")
+CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2")
+"""Every contender, in run and report order."""
+UDP_ONLY = ("socat",)
+"""Contenders that take part only in the udp workload: in the default list only
+when udp runs, so the default TCP run is the same as before they existed."""
+CLASSES: dict[str, type[Contender]] = {
+    "direct": Direct, "kernel": Kernel, "haproxy": HAProxy, "naive": Naive, "socat": Socat,
+    "kpx": Kpx, "kpx-w2": KpxWorkers,
+}
+
+
+def default_contenders(workloads: list[str]) -> list[str]:
+    """Every contender, but the UDP-only ones only when the udp workload runs."""
+    return [c for c in CONTENDER_ORDER if c not in UDP_ONLY or "udp" in workloads]
+
+
+def serves(name: str, workload: str) -> str | None:
+    """None when contender ``name`` takes part in ``workload``; else the n/a reason."""
+    return CLASSES[name].serves(workload)
 
 
 def make_contenders(names: list[str], topo: Topology, log_dir: Path,
-                    kpx: str, etp: str = "Cluster") -> list[Contender]:
+                    kpx: str, etp: str = "Cluster", udp: bool = False) -> list[Contender]:
+    """The named contenders; ``udp``: the udp workload runs (kpx's state gets a UDP port)."""
     table: dict[str, Contender] = {
         "direct": Direct(topo, log_dir),
         "kernel": Kernel(topo, log_dir),
         "haproxy": HAProxy(topo, log_dir),
         "naive": Naive(topo, log_dir),
-        "kpx": Kpx(topo, log_dir, kpx, etp),
-        "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp),
+        "socat": Socat(topo, log_dir),
+        "kpx": Kpx(topo, log_dir, kpx, etp, udp_service=udp),
+        "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp, udp_service=udp),
     }
     return [table[n] for n in names]

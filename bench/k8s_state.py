@@ -1,9 +1,10 @@
 """The state files the harness feeds ``kpx node``: real Kubernetes YAML.
 
-Owns: rendering v1 Nodes, NodePort v1 Services and discovery.k8s.io/v1
-EndpointSlices as ``kubectl get -o yaml`` would print them (multi-document,
-block style). Writing them is ``lab.common.write_atomic`` (sibling, fsync,
-rename: how kpx's state source expects a file to change), re-exported here.
+Owns: rendering v1 Nodes, NodePort v1 Services (TCP and UDP ports) and
+discovery.k8s.io/v1 EndpointSlices as ``kubectl get -o yaml`` would print
+them (multi-document, block style). Writing them is
+``lab.common.write_atomic`` (sibling, fsync, rename: how kpx's state source
+expects a file to change), re-exported here.
 
 Never: parse YAML or know what kpx does with it: the output is checked only
 by kpx reading it, as a real cluster's would be.
@@ -34,12 +35,19 @@ class Ep:
 
 @dataclass(frozen=True)
 class Port:
-    """One service port: name, service port, target (endpoint) port, nodePort."""
+    """One service port: name, service port, target (endpoint) port, nodePort, protocol.
+
+    The protocol is written on the Service port *and* on the EndpointSlice
+    port: Kubernetes pairs the two by name and protocol, so a UDP service
+    port whose slice port says TCP (or nothing, which means TCP) has no
+    endpoints.
+    """
 
     name: str
     port: int
     target: int
     node_port: int
+    protocol: str = "TCP"
 
 
 def node_doc(name: str, internal_ip: str) -> str:
@@ -98,7 +106,7 @@ def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluste
     for p in ports:
         lines += [
             f"  - name: {p.name}",
-            "    protocol: TCP",
+            f"    protocol: {p.protocol}",
             f"    port: {p.port}",
             f"    targetPort: {p.target}",
         ]
@@ -131,7 +139,7 @@ def slice_doc(service: str, endpoints: Iterable[Ep], ports: Iterable[Port]) -> s
         ]
     lines.append("ports:")
     for p in ports:
-        lines += [f"- name: {p.name}", "  protocol: TCP", f"  port: {p.target}"]
+        lines += [f"- name: {p.name}", f"  protocol: {p.protocol}", f"  port: {p.target}"]
     return "\n".join(lines) + "\n"
 
 

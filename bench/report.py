@@ -23,7 +23,7 @@ from bench.results import (
     metrics_of,
 )
 
-CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2")
+CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2")
 
 
 def fmt(value: float | None, unit: str = "") -> str:
@@ -53,7 +53,7 @@ def _path_order(table: CellTable, path: str | None) -> tuple[int, int]:
 
 
 def _wl_order(w: str) -> tuple[int, str]:
-    fams = ("bulk", "rr", "cps", "mem", "apply", "idle", "converge", "stall")
+    fams = ("bulk", "rr", "cps", "mem", "udp", "apply", "idle", "converge", "stall")
     f = family(w)
     size = w.split("-", 1)[1] if "-" in w else ""
     return (fams.index(f) if f in fams else 99, size.zfill(9))

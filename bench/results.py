@@ -57,6 +57,10 @@ METRICS: dict[str, Metric] = {
         Metric("conn_per_s", "cps", "conn/s", True, "new connections/s"),
         Metric("cps_cpu_us", "cps", "us", False, "proxy CPU per connection", "cpu", True),
         Metric("kib_per_conn", "mem", "KiB", False, "RSS per idle proxied connection"),
+        Metric("udp_per_s", "udp", "req/s", True, "udp request/response datagrams/s"),
+        Metric("udp_p50_ms", "udp", "ms", False, "udp round trip p50", "p50"),
+        Metric("udp_p99_ms", "udp", "ms", False, "udp round trip p99", "p99"),
+        Metric("udp_cpu_us", "udp", "us", False, "proxy CPU per udp request", "cpu", True),
         Metric("apply_s", "apply", "s", False, "apply N services"),
         Metric("idle_cpu_pct", "idle", "% core", False, "idle CPU"),
         Metric("converge_p50_ms", "converge", "ms", False, "endpoint change p50", "p50"),
@@ -76,8 +80,12 @@ METRICS: dict[str, Metric] = {
     )
 }
 
-WORKLOADS = ("bulk", "rr", "cps", "mem", "control")
-DATA_WORKLOADS = ("bulk", "rr", "cps", "mem")
+WORKLOADS = ("bulk", "rr", "cps", "mem", "control", "udp")
+"""Every workload ``--workloads`` accepts."""
+DEFAULT_WORKLOADS = ("bulk", "rr", "cps", "mem", "control")
+"""What runs without ``--workloads``: udp is asked for by name, so a default run
+(and every script built on one) measures what it did before udp existed."""
+DATA_WORKLOADS = ("bulk", "rr", "cps", "mem", "udp")
 
 
 def family(workload: str) -> str:
@@ -259,7 +267,11 @@ RATIO_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("kpx", "haproxy", ("gbps", "req_per_s", "p50_ms", "p99_ms", "conn_per_s",
                         "rr_cpu_us", "cps_cpu_us", "kib_per_conn")),
     ("kpx", "kernel", ("gbps", "req_per_s", "p50_ms", "p99_ms", "conn_per_s")),
-    ("kpx-w2", "kpx", ("req_per_s", "p99_ms", "conn_per_s")),
+    ("kpx-w2", "kpx", ("req_per_s", "p99_ms", "conn_per_s", "udp_per_s")),
+    # udp: HAProxy has no UDP; the kernel and the userspace UDP peers are the baselines.
+    ("kpx", "kernel", ("udp_per_s", "udp_p50_ms", "udp_p99_ms")),
+    ("kpx", "socat", ("udp_per_s", "udp_p50_ms", "udp_p99_ms", "udp_cpu_us")),
+    ("kpx", "naive", ("udp_per_s", "udp_p99_ms", "udp_cpu_us")),
 )
 
 

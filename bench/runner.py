@@ -53,6 +53,7 @@ from bench.contenders import (
     ContenderError,
     Kpx,
     make_contenders,
+    serves,
 )
 from bench.control import ControlSettings, run_control
 from bench.procs import cpu_seconds, machine_jiffies, nofile_hard_limit
@@ -117,7 +118,7 @@ class CpuUsage:
         cpu = cpu_seconds(c.pids()) - self.cpu0
         run.detail["proxy_cpu_s"] = round(cpu, 2)
         requests = run.detail.get("requests")
-        if workload in ("rr", "cps") and requests:
+        if workload in ("rr", "cps", "udp") and requests:
             run.metrics[f"{workload}_cpu_us"] = round(cpu / requests * 1e6, 1)
 
 
@@ -272,8 +273,7 @@ class Bench:
             for w in self.data_workloads():
                 if w == "mem" and path not in self.cfg.mem_paths:
                     continue
-                n += self.cfg.runs * sum(
-                    1 for c in names if w != "mem" or c not in ("direct", "kernel"))
+                n += self.cfg.runs * sum(1 for c in names if serves(c, w) is None)
         if "control" in self.cfg.workloads and "kpx" in names:
             cs = self.cfg.control
             n += self.cfg.runs * (2 * len(cs.sizes) + (1 if cs.changes > 0 else 0)
@@ -285,13 +285,13 @@ class Bench:
         s = self.cfg.settings
         per_run = {w: s.durations.get(w, 0.0) + s.pause + 0.7 for w in ("bulk", "rr", "cps")}
         per_run["mem"] = 7.0
+        per_run["udp"] = s.duration("udp") + s.pause + 1.5  # + the WHO probe and warm-up
         total = 0.0
         for path in self.cfg.paths:
             for w in self.data_workloads():
                 if w == "mem" and path not in self.cfg.mem_paths:
                     continue
-                k = sum(1 for c in self.cfg.contenders
-                        if w != "mem" or c not in ("direct", "kernel"))
+                k = sum(1 for c in self.cfg.contenders if serves(c, w) is None)
                 total += self.cfg.runs * k * per_run[w]
             total += self.cfg.runs * len(self.cfg.contenders) * 1.0  # start/stop
         if "control" in self.cfg.workloads and "kpx" in self.cfg.contenders:
@@ -339,7 +339,8 @@ class Bench:
         interrupted = False
         aborted: str | None = None
         contenders: list[Contender] = []
-        backends = Backends(self.topo, self.log_dir)
+        udp = "udp" in self.data_workloads()
+        backends = Backends(self.topo, self.log_dir, udp=udp)
         try:
             out.write(f"kpx bench: {'quick' if self.cfg.quick else 'full'} run, "
                       f"{self.cfg.runs} run(s) per cell, paths {','.join(self.cfg.paths)}, "
@@ -352,7 +353,7 @@ class Bench:
             backends.wait_ready()
             self.topo.check_reachability(8080)
             contenders = make_contenders(self.cfg.contenders, self.topo, self.log_dir,
-                                         self.cfg.kpx, self.cfg.etp)
+                                         self.cfg.kpx, self.cfg.etp, udp=udp)
             for c in contenders:
                 d.step(f"checking {c.name}")
                 why = c.unavailable()
@@ -396,17 +397,22 @@ class Bench:
         cfg = self.cfg
         workloads = [w for w in self.data_workloads()
                      if w != "mem" or path in cfg.mem_paths]
+        mine: dict[str, list[str]] = {}  # the workloads each contender takes part in
         for c in contenders:
             avail = self.availability[c.name]
+            mine[c.name] = []
             for w in workloads:
+                why_not = c.serves(w)
                 if not avail["available"]:
                     self.table.mark(path, w, c.name, "unavailable", avail["reason"])
-                elif w == "mem" and not c.has_process:
-                    self.table.mark(path, w, c.name, "n/a",
-                                    "no proxy process: forwarding happens in the kernel")
+                elif why_not:
+                    self.table.mark(path, w, c.name, "n/a", why_not)
+                else:
+                    mine[c.name].append(w)
         for rnd in range(cfg.runs):
             for c in contenders:
-                if not self.availability[c.name]["available"]:
+                # Not started at all when none of its workloads runs (haproxy for udp alone).
+                if not self.availability[c.name]["available"] or not mine[c.name]:
                     continue
                 self.display.step(f"{path}: round {rnd + 1}/{cfg.runs}: starting {c.name}")
                 try:
@@ -415,15 +421,11 @@ class Bench:
                 except ContenderError as e:
                     c.stop()
                     self.check_residue(c.name)
-                    for w in workloads:
-                        if w == "mem" and not c.has_process:
-                            continue
+                    for w in mine[c.name]:
                         self.record(path, w, c.name, rnd, Run.failed(f"start: {e}"))
                     continue
                 try:
-                    for w in workloads:
-                        if w == "mem" and not c.has_process:
-                            continue
+                    for w in mine[c.name]:
                         self.display.step(f"{path}: round {rnd + 1}/{cfg.runs}: {c.name} {w}"
                                           f" (pause {cfg.settings.pause:g}s)")
                         time.sleep(cfg.settings.pause)

@@ -444,6 +444,22 @@ def _diag_listening_ports() -> set[int]:
                 off += (length + 3) & ~3
 
 
+def udp_bound_ports() -> set[int]:
+    """Local ports of every IPv4 UDP socket in the calling thread's netns.
+
+    UDP has no LISTEN state: a bound socket is a server. Read from
+    ``/proc/thread-self/net/udp`` (a handful of sockets here, so no sock_diag).
+    """
+    ports: set[int] = set()
+    with open("/proc/thread-self/net/udp", encoding="ascii") as f:
+        next(f, None)
+        for line in f:
+            parts = line.split(None, 2)
+            if len(parts) >= 2:
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def count_states() -> dict[str, int]:
     """Counts of TCP socket states in the calling thread's netns (for TIME_WAIT visibility)."""
     counts: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""The data-path workloads: bulk, rr, cps, mem. Each returns one checked ``Run``.
+"""The data-path workloads: bulk, rr, cps, mem, udp. Each returns one checked ``Run``.
 
 Owns: driving the load generators in the client namespace against one
 contender's target, and deciding whether the run is clean:
@@ -7,10 +7,15 @@ contender's target, and deciding whether the run is clean:
   == bytes sent (or iperf3 within its documented in-flight allowance);
 - rr / cps: wrk must report zero socket errors and zero non-2xx responses;
 - mem: every one of the N connections must reach the backend, and none may be
-  closed by the proxy while idle.
+  closed by the proxy while idle;
+- udp: a UDP ``WHO`` through the contender must come back from the expected
+  pod (else the run fails with what was seen: ICMP port unreachable, or
+  silence), then ``bench.udpclient`` must see no corrupt reply, every flow
+  answered, and at most ``udp_max_loss`` of its requests unanswered.
 
 Every load is bounded: wrk and the bulk sender by duration, the mem client
-by connection count and a deadline, and each subprocess by a timeout.
+by connection count and a deadline, the udp client by duration and a
+request count, and each subprocess by a timeout.
 TIME_WAIT is recorded around cps runs (per namespace) so its handling is
 visible in the results rather than silently capping them.
 
@@ -28,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.backends import HTTP_PORT
-from bench.contenders import Contender, Kernel
+from bench.contenders import Contender, ContenderError, Kernel
 from bench.parsers import ParseError, parse_iperf3, parse_wrk
 from bench.procs import nofile_hard_limit, raise_nofile, rss_bytes
 from bench.results import Run
@@ -55,6 +60,28 @@ class Settings:
     bulk_tool: str = "exact"
     iperf3_tail_allowance: int = 64 << 20
     """Bytes iperf3's receiver may miss at the end: what fits in a proxied path's buffers."""
+    udp_flows: int = 50
+    """Concurrent UDP flows, each its own socket and one request in flight (as rr's 50)."""
+    udp_size: int = 64
+    """Bytes per request datagram (and per reply: the backend echoes)."""
+    udp_timeout: float = 1.0
+    """Seconds a request waits for its reply before it counts as lost."""
+    udp_max_requests: int = 5_000_000
+    """The udp run's count bound, beside its duration (5 M: 10 s at 500k/s)."""
+    udp_max_loss: float = 0.001
+    """Share of requests that may go unanswered. A UDP proxy may drop a datagram (the
+    protocol above retries); more than 1 in 1,000 with one request in flight per flow
+    is a broken path, not a slow one."""
+    udp_warmup_timeout: float = 5.0
+    """Seconds for every flow's first answered request (flows start one at a time)."""
+
+    def duration(self, workload: str) -> float:
+        """Seconds of a run; udp has rr's length unless given its own (same kind of
+        closed-loop request/response, and ``--duration`` and the quick/full
+        defaults then cover it without a key of its own)."""
+        if workload == "udp" and "udp" not in self.durations:
+            return self.durations["rr"]
+        return self.durations[workload]
 
     def mem_n(self) -> tuple[int, str | None]:
         """Connections for the mem workload, capped by what a proxy can open.
@@ -296,4 +323,49 @@ def mem(topo: Topology, c: Contender, s: Settings) -> Run:
         poll(lambda: _backend_established(topo, c) <= base_backend + 10, 20.0, 0.2)
 
 
-WORKLOAD_FUNCS = {"bulk": bulk, "rr": rr, "cps": cps, "mem": mem}
+def udp(topo: Topology, c: Contender, s: Settings) -> Run:
+    """UDP request/response: datagrams per second and round-trip p50/p99 over ``udp_flows``.
+
+    First a ``WHO`` through the contender (from the path's client): a proxy
+    that does not forward UDP fails here with the reason, after at most 5 s,
+    instead of the load timing out flow by flow.
+    """
+    t = c.target()
+    if not t.udp_port:
+        return Run.failed(f"{c.name} has no UDP port")
+    try:
+        who = c.verify_udp()
+    except ContenderError as e:
+        return Run.failed(f"UDP probe: {e}")
+    secs = s.duration("udp")
+    argv = [sys.executable, "-m", "bench.udpclient", "--host", t.ip, "--port", str(t.udp_port),
+            "--flows", str(s.udp_flows), "--size", str(s.udp_size), "--seconds", f"{secs:g}",
+            "--max-requests", str(s.udp_max_requests), "--timeout", f"{s.udp_timeout:g}",
+            "--warmup-timeout", f"{s.udp_warmup_timeout:g}", "--max-loss", f"{s.udp_max_loss:g}"]
+    try:
+        cp = _client(topo, c, argv, secs + s.udp_warmup_timeout + s.udp_timeout + 60)
+    except CommandError as e:
+        return Run.failed(f"udp client: {e}")
+    try:
+        out = json.loads(cp.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return Run.failed(f"udp client rc={cp.returncode}: {(cp.stderr or cp.stdout)[-300:]}")
+    detail: dict[str, Any] = {k: v for k, v in out.items() if k != "samples_ns"}
+    detail["requests"] = out.get("replies", 0)
+    detail["who"] = who
+    detail["tool"] = "bench.udpclient (epoll, connected sockets, closed loop per flow)"
+    # The client judges its own run (``FlowStats.problems``, unit-tested).
+    problems = [f"udp client: {x}" for x in out.get("problems", [out.get("error")]) if x]
+    lat = out.get("latency_ms") or {}
+    if not problems and ("50" not in lat or "99" not in lat):
+        problems.append("udp client printed no latency distribution")
+    dead = c.alive_problem()
+    if dead:
+        problems.append(dead)
+    if problems:
+        return Run.failed("; ".join(problems), **detail)
+    return Run(ok=True, metrics={"udp_per_s": float(out["rate"]), "udp_p50_ms": lat["50"],
+                                 "udp_p99_ms": lat["99"]}, detail=detail)
+
+
+WORKLOAD_FUNCS = {"bulk": bulk, "rr": rr, "cps": cps, "mem": mem, "udp": udp}

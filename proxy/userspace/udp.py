@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import ipaddress
 import logging
 import socket
@@ -75,8 +76,12 @@ _DROP_ALL = [(0x06, 0, 0, 0)]
 METRICS_FLUSH_INTERVAL = 1.0
 
 
+@functools.lru_cache(maxsize=1024)
 def pktinfo(source: str) -> bytes:
-    """``struct in_pktinfo`` asking the kernel to send from ``source`` (``ipi_spec_dst``)."""
+    """``struct in_pktinfo`` asking the kernel to send from ``source`` (``ipi_spec_dst``).
+
+    Cached: every reply needs one, and a node has few addresses.
+    """
     return struct.pack("=i4s4s", 0, socket.inet_aton(source), b"\0\0\0\0")
 
 

@@ -157,3 +157,64 @@ def test_namespace_clash_aborts_cleanly_and_leaves_foreign_namespaces(tmp_path: 
         assert any("already exist" in n for n in doc["notes"])
     finally:
         subprocess.run(["ip", "netns", "del", foreign], check=False)
+
+
+def require_socat() -> None:
+    if shutil.which("socat") is None:
+        pytest.skip("the udp smoke needs socat (.ci/system-deps installs it)")
+
+
+@pytest.mark.timeout(180)
+def test_udp_gives_rates_and_a_proxy_without_udp_fails_clearly(tmp_path: Path) -> None:
+    """udp for 1 s: direct, kernel and both userspace peers give non-zero rates;
+    HAProxy is n/a (never started); a kpx without UDP (the stand-in) fails the udp
+    cell with the reason, in bounded time, while its TCP cell still measures."""
+    require_lab()
+    require_socat()
+    pytest.importorskip("proxy.k8s")
+    cfg = Config(
+        quick=True, runs=1, paths=["local"], workloads=["rr", "udp"],
+        contenders=["direct", "kernel", "haproxy", "naive", "socat", "kpx"],
+        out=tmp_path, kpx=fake_kpx(tmp_path),
+        settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0, "udp": 1.0},
+                          pause=0.2),
+    )
+    doc, table, text = run_bench(cfg)
+    for c in ("direct", "kernel", "naive", "socat"):
+        cell = table.get("local", "udp", c)
+        assert cell is not None and cell.status == "ok", (c, cell and cell.reason, text[-2000:])
+        assert cell.summary["udp_per_s"].median > 0
+        assert 0 < cell.summary["udp_p50_ms"].median <= cell.summary["udp_p99_ms"].median
+        run = cell.runs[0]
+        assert run.detail["corrupt"] == 0 and run.detail["flows"] == 50
+        assert run.detail["who"]["pod"] == "pod1-a" and run.detail["who"]["proto"] == "udp"
+    assert "udp_cpu_us" in table.get("local", "udp", "socat").summary
+    # The kernel DNATs and masquerades; direct keeps the client's address.
+    assert table.get("local", "udp", "direct").runs[0].detail["who"]["peer"].startswith(
+        "10.90.1.2:")
+    haproxy = table.get("local", "udp", "haproxy")
+    assert haproxy.status == "n/a" and "no UDP" in haproxy.reason
+    assert table.get("local", "rr", "socat").status == "n/a"
+    kpx = table.get("local", "udp", "kpx")
+    assert kpx.status == "failed", kpx.to_json()
+    assert "no UDP reply from 10.90.1.1:30404" in kpx.reason
+    assert "ICMP port unreachable" in kpx.reason
+    assert kpx.runs[0].detail["wall_s"] < 15
+    assert table.get("local", "rr", "kpx").status == "ok"
+    assert any(r["name"] == "kpx/socat" and r["metric"] == "udp_per_s" for r in doc["ratios"])
+    assert "udp request/response datagrams/s" in text
+
+
+@pytest.mark.timeout(120)
+def test_udp_with_the_real_kpx_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
+    """kpx's UDP dataplane is young: whatever it does, the cell ends as a number or
+    as a failure with a reason, and the bench cleans up."""
+    require_lab()
+    cfg = Config(
+        quick=True, runs=1, paths=["local"], workloads=["udp"], contenders=["kernel", "kpx"],
+        out=tmp_path, kpx=kpx_executable(),
+        settings=Settings(durations={"udp": 1.0}, pause=0.2),
+    )
+    _doc, table, text = run_bench(cfg)
+    check_cells(table, [("local", "udp", "kernel"), ("local", "udp", "kpx")], text)
+    assert table.get("local", "udp", "kernel").status == "ok"

@@ -26,7 +26,8 @@ def test_ruleset_replaces_the_table_atomically() -> None:
     # Declare, delete, recreate: one transaction, whether or not a leftover exists.
     assert lines[:3] == ["table inet t1", "delete table inet t1", "table inet t1 {"]
     assert "type filter hook prerouting priority mangle; policy accept;" in lines
-    assert "meta l4proto { tcp, udp } socket transparent 1 meta mark set meta mark or 0x1234" in lines
+    assert ("meta l4proto { tcp, udp } socket transparent 1"
+            " meta mark set meta mark or 0x1234") in lines
 
 
 def test_default_mark_is_one_bit_clear_of_other_proxies() -> None:
