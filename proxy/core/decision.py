@@ -262,6 +262,8 @@ def _service_plans(
 ) -> tuple[PortPlan, ...]:
     """``service``'s plans of one protocol: its NodePorts, then (``vips``) each port on each VIP."""
     ports = [p for p in service.ports if p.protocol == protocol]
+    if not ports:  # most services, for UDP: no VIPs worked out for nothing
+        return ()
     plans = [
         build_plan(snapshot, node_name, service, port, masquerade_all)
         for port in ports
