@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -34,16 +35,7 @@ def syn_answers(netns: str, targets: Iterable[tuple[str, int]], window: float = 
 
     Returns ``({"ip:port": [tcp flags of each answer]}, [icmp messages from the targets])``.
     """
-    argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.probes",
-            json.dumps([list(t) for t in targets]), str(window), iface]
-    try:
-        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
-                              timeout=30 + window, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"scapy probe hung: {exc}") from exc
-    if done.returncode != 0:
-        raise AssertionError(f"scapy probe failed ({done.returncode}):\n{done.stderr}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _probe(netns, targets, window, iface, "tcp")
     return result["tcp"], result["icmp"]
 
 
@@ -55,8 +47,15 @@ def udp_answers(netns: str, targets: Iterable[tuple[str, int]], window: float = 
     targets, "target type/code"])``: silence is two empty lists, a rejected
     port an ICMP ``3/3`` (port unreachable) and no reply.
     """
+    result = _probe(netns, targets, window, iface, "udp")
+    return result["udp"], result["icmp"]
+
+
+def _probe(netns: str, targets: Iterable[tuple[str, int]], window: float, iface: str,
+           proto: str) -> dict[str, Any]:
+    """Run this module's probe process in ``netns``; its JSON result."""
     argv = ["ip", "netns", "exec", netns, sys.executable, "-m", "tests.support.probes",
-            json.dumps([list(t) for t in targets]), str(window), iface, "udp"]
+            json.dumps([list(t) for t in targets]), str(window), iface, proto]
     try:
         done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
                               timeout=30 + window, check=False)
@@ -64,8 +63,8 @@ def udp_answers(netns: str, targets: Iterable[tuple[str, int]], window: float = 
         raise AssertionError(f"scapy probe hung: {exc}") from exc
     if done.returncode != 0:
         raise AssertionError(f"scapy probe failed ({done.returncode}):\n{done.stderr}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    return result["udp"], result["icmp"]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def first_answer(flags: list[str]) -> str:
