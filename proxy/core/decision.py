@@ -371,54 +371,56 @@ def decide(
     retry picks another one; ``balancer`` holds round-robin and ClientIP
     affinity state for this service port.
     """
-    if not plan.has_any:
-        return Reject(f"{plan.key} has no endpoints")
-
-    # The node reaching one of its own VIPs may show the VIP as its source.
-    node_source = is_node_source(client_ip, local_addresses) or client_ip == plan.vip
-    pod_source = not node_source and _in_any(client_ip, cluster_cidrs)
-    if plan.internal:
-        return _decide_internal(plan, client_ip, node_source, pod_source, balancer, now, exclude)
-    chosen = _external_candidates(plan, node_source, pod_source)
-    if isinstance(chosen, Drop):
-        return chosen
-    candidates, why = chosen
-    ep = balancer.pick(candidates, client_ip, now, plan.affinity_seconds, exclude)
+    chosen = _candidates(plan, client_ip, local_addresses, cluster_cidrs)
+    if type(chosen) is not tuple:
+        return chosen  # type: ignore[return-value]
+    endpoints, why, node_source, pod_source = chosen
+    ep = balancer.pick(endpoints, client_ip, now, plan.affinity_seconds, exclude)
     if ep is None:
         return Reject(f"{plan.key}: every eligible endpoint failed for {client_ip}")
-    # The node's own traffic always SNATs (iptables marks --src-type LOCAL for
-    # masquerade). Otherwise only a cross-node hop must, because its reply
-    # would not come back through this node (kpx decision 3);
-    # --masquerade-all restores "always" for eTP=Cluster, never for eTP=Local
-    # external clients, whose source IP is the point of the policy.
-    snat = node_source or (plan.masquerade_all and not plan.policy_local) or not ep.is_local
+    if plan.internal:
+        # ``ClusterIPSNAT`` (module docstring).
+        snat = (plan.masquerade_all or node_source or not pod_source
+                or ep.is_local or ep.ip == client_ip)
+    else:
+        # The node's own traffic always SNATs (iptables marks --src-type LOCAL
+        # for masquerade). Otherwise only a cross-node hop must, because its
+        # reply would not come back through this node (kpx decision 3);
+        # --masquerade-all restores "always" for eTP=Cluster, never for
+        # eTP=Local external clients, whose source IP is the point of the policy.
+        snat = node_source or (plan.masquerade_all and not plan.policy_local) or not ep.is_local
     return Forward(ep, snat, why)
 
 
-def _external_candidates(
-    plan: PortPlan, node_source: bool, pod_source: bool
-) -> tuple[tuple[EndpointInfo, ...], str] | Drop:
-    """eTP for an external address: the candidates and why, or ``Drop``."""
-    if plan.policy_local and not node_source and not pod_source:
-        if not plan.local:
-            return Drop(
-                f"{plan.key} eTP=Local has no local endpoints "
-                f"({plan.remote_count} elsewhere)"
-            )
-        return plan.local, "eTP=Local, external client"
-    why = "node-originated" if node_source else "pod-originated" if pod_source else "eTP=Cluster"
-    return plan.cluster, why
+def _candidates(
+    plan: PortPlan,
+    client_ip: str,
+    local_addresses: Collection[str],
+    cluster_cidrs: Collection[ipaddress.IPv4Network | ipaddress.IPv6Network],
+) -> tuple[tuple[EndpointInfo, ...], str, bool, bool] | Drop | Reject:
+    """The rules of the module docstring up to the pick: ``decide`` and ``still_eligible``.
 
-
-def _internal_candidates(plan: PortPlan) -> tuple[tuple[EndpointInfo, ...], str] | Drop:
-    """iTP for a ClusterIP: the candidates and why, or ``Drop``."""
-    if plan.policy_local:
-        if not plan.local:
-            return Drop(
-                f"{plan.key} iTP=Local has no local endpoints ({plan.remote_count} elsewhere)"
-            )
-        return plan.local, "iTP=Local"
-    return plan.cluster, "iTP=Cluster"
+    ``(endpoints, why, node_source, pod_source)``, or the verdict when there is
+    nobody to pick. A plain tuple: a NamedTuple cost every connection 0.2 µs.
+    """
+    if not plan.has_any:
+        return Reject(f"{plan.key} has no endpoints")
+    # The node reaching one of its own VIPs may show the VIP as its source.
+    node_source = is_node_source(client_ip, local_addresses) or client_ip == plan.vip
+    pod_source = not node_source and _in_any(client_ip, cluster_cidrs)
+    if plan.internal:  # iTP, for every client
+        kind, local_only = "iTP", plan.policy_local
+        why = "iTP=Local" if local_only else "iTP=Cluster"
+    else:  # eTP, but the node and pods get Cluster
+        kind, local_only = "eTP", plan.policy_local and not node_source and not pod_source
+        why = ("eTP=Local, external client" if local_only else "node-originated" if node_source
+               else "pod-originated" if pod_source else "eTP=Cluster")
+    if not local_only:
+        return plan.cluster, why, node_source, pod_source
+    if not plan.local:
+        return Drop(f"{plan.key} {kind}=Local has no local endpoints "
+                    f"({plan.remote_count} elsewhere)")
+    return plan.local, why, node_source, pod_source
 
 
 def still_eligible(
@@ -436,39 +438,9 @@ def still_eligible(
     the flow's next datagram is decided afresh. This is what kube-proxy's
     stale-conntrack cleanup tries to do after the fact, for UDP.
     """
-    if not plan.has_any:
-        return False
-    node_source = is_node_source(client_ip, local_addresses) or client_ip == plan.vip
-    pod_source = not node_source and _in_any(client_ip, cluster_cidrs)
-    chosen = (_internal_candidates(plan) if plan.internal
-              else _external_candidates(plan, node_source, pod_source))
-    if isinstance(chosen, Drop):
-        return False
-    return any(e.ip == endpoint.ip and e.port == endpoint.port for e in chosen[0])
-
-
-def _decide_internal(
-    plan: PortPlan,
-    client_ip: str,
-    node_source: bool,
-    pod_source: bool,
-    balancer: Balancer,
-    now: float,
-    exclude: Collection[tuple[str, int]],
-) -> Decision:
-    """A ClusterIP: iTP for every client, then ``ClusterIPSNAT`` (module docstring)."""
-    chosen = _internal_candidates(plan)
-    if isinstance(chosen, Drop):
-        return chosen
-    candidates, why = chosen
-    ep = balancer.pick(candidates, client_ip, now, plan.affinity_seconds, exclude)
-    if ep is None:
-        return Reject(f"{plan.key}: every eligible endpoint failed for {client_ip}")
-    snat = (
-        plan.masquerade_all or node_source or not pod_source or ep.is_local
-        or ep.ip == client_ip
-    )
-    return Forward(ep, snat, why)
+    chosen = _candidates(plan, client_ip, local_addresses, cluster_cidrs)
+    return type(chosen) is tuple and any(
+        e.ip == endpoint.ip and e.port == endpoint.port for e in chosen[0])
 
 
 def decide_in_snapshot(
