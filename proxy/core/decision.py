@@ -42,6 +42,7 @@ A ClusterIP follows iTP, with no short-circuit for anyone:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -349,6 +350,15 @@ def is_node_source(client_ip: str, local_addresses: Collection[str]) -> bool:
 def _in_any(ip: str, nets: Collection[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
     if not nets:
         return False
+    return _in_any_cached(ip, nets if isinstance(nets, tuple) else tuple(nets))
+
+
+@functools.lru_cache(maxsize=16384)
+def _in_any_cached(ip: str,
+                   nets: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
+    """Whether ``ip`` is in one of ``nets``, remembered: parsing the address was most of
+    what a decision cost with ``--cluster-cidr`` set, and a client comes back for every
+    connection it makes."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
