@@ -231,12 +231,8 @@ class Dataplane:
         )
         self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs)
         """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``)."""
-        fwd = self.forwarder
-        self.udp = UdpForwarder(
-            loop, transparent=lambda: fwd.transparent, local_addresses=lambda: fwd.local_addresses,
-            cluster_cidrs=lambda: fwd.cluster_cidrs, warn=fwd.warn,
-            flows=FlowTable(udp_flow_limit, udp_timeout, udp_timeout_stream),
-        )
+        self.udp = UdpForwarder(loop, self.forwarder,
+                                FlowTable(udp_flow_limit, udp_timeout, udp_timeout_stream))
         """UDP service ports: flows, their sockets, replies (``proxy.userspace.udp``)."""
         self._udp_desired: dict[ListenerKey, PlanKey] = {}
         self._udp_fronts: dict[ListenerKey, UdpFront] = {}

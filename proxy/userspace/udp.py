@@ -47,19 +47,19 @@ import asyncio
 import contextlib
 import errno
 import functools
-import ipaddress
 import logging
 import socket
 import struct
 import time
-from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy import metrics
 from proxy.core.balancer import Balancer
 from proxy.core.decision import Drop, Forward, PlanKey, PortPlan, decide, still_eligible
 from proxy.core.flows import Flow, FlowKey, FlowTable
 from proxy.userspace import synfilter
+from proxy.userspace.forwarder import Forwarder
 from proxy.userspace.transparent import IP_TRANSPARENT
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,14 @@ class UdpCounts:
             if n:
                 (counter.labels(*labels) if labels else counter).inc(n)
                 setattr(self, name, 0)
+
+
+class Upstream(NamedTuple):
+    """A flow's own socket, connected to its endpoint, and the front it came in on
+    (which says how a reply goes back: ``IP_PKTINFO`` on it, or a VIP's reply socket)."""
+
+    sock: socket.socket
+    front: UdpFront
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,27 +207,19 @@ class UdpFront:
 class UdpForwarder:
     """Every UDP front socket, flow and upstream socket of one kpx process."""
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        transparent: Callable[[], bool],
-        local_addresses: Callable[[], Collection[str]],
-        cluster_cidrs: Callable[[], Collection[ipaddress.IPv4Network | ipaddress.IPv6Network]],
-        warn: Callable[..., None],
-        flows: FlowTable[socket.socket],
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, tcp: Forwarder,
+                 flows: FlowTable[Upstream]) -> None:
         self.loop = loop
-        self._transparent = transparent
-        self._local_addresses = local_addresses
-        self._cluster_cidrs = cluster_cidrs
-        self.warn = warn
+        self.tcp = tcp
+        """The TCP forwarder: the node's addresses, the pod CIDRs, whether the
+        return path is in, and the rate-limited log are its, kept current by the
+        dataplane, and the same for UDP."""
+        self.warn = tcp.warn
         self.flows = flows
         self.ports: dict[PlanKey, UdpPort] = {}
         """By plan key, the served UDP plans (a plan without endpoints has no entry)."""
         self.counts = UdpCounts()
         self._reply_socks: dict[tuple[str, int], socket.socket] = {}
-        self._fronts_by_flow: dict[FlowKey, UdpFront] = {}
         self._expiry: asyncio.TimerHandle | None = None
         self._flush: asyncio.TimerHandle | None = None
         metrics.UDP_FLOWS_ACTIVE.set_function(lambda: len(self.flows))
@@ -229,10 +229,9 @@ class UdpForwarder:
     def swap(self, plans: dict[PlanKey, PortPlan]) -> None:
         """Put a sync's UDP plans in force; balancers of surviving ports are kept.
 
-        Flows are not walked here: each is checked on its next datagram
-        (``still_eligible``), so a sync costs nothing per flow. Flows of a
-        port that went away are ended, and the VIP reply sockets of ports no
-        longer served are closed.
+        Flows are checked on their next datagram (``still_eligible``), so a
+        sync walks them only when a port went away: its flows are ended. The
+        VIP reply sockets of ports no longer served are closed.
         """
         old = self.ports
         balancers = {p.plan.key: p.balancer for p in old.values()}
@@ -240,18 +239,14 @@ class UdpForwarder:
             key: UdpPort(plan, balancers.get(plan.key) or Balancer())
             for key, plan in plans.items() if plan.listen
         }
-        gone = [f for f in self.flows if self._table_key(f) not in self.ports]
-        for f in gone:
-            self._end(f)
+        if old.keys() - self.ports.keys():  # only then can a flow have lost its port
+            for f in [f for f in self.flows if f.plan.table_key not in self.ports]:
+                self._end(f)
         for key in [k for k in self._reply_socks if k not in self.ports]:
             self._reply_socks.pop(key).close()
 
     def plans(self) -> dict[PlanKey, PortPlan]:
         return {key: port.plan for key, port in self.ports.items()}
-
-    @staticmethod
-    def _table_key(flow: Flow[socket.socket]) -> PlanKey:
-        return flow.plan.table_key
 
     # -- datagrams ---------------------------------------------------------------
 
@@ -268,8 +263,8 @@ class UdpForwarder:
         flow = self.flows.get(fkey, now)
         plan = port.plan
         if flow is not None and flow.plan is not plan:
-            if still_eligible(plan, flow.endpoint, client[0], self._local_addresses(),
-                              self._cluster_cidrs()):
+            if still_eligible(plan, flow.endpoint, client[0], self.tcp.local_addresses,
+                              self.tcp.cluster_cidrs):
                 flow.plan = plan
             else:
                 self.counts.repicked += 1
@@ -282,7 +277,7 @@ class UdpForwarder:
         up = flow.upstream
         assert up is not None
         try:
-            up.send(data)
+            up.sock.send(data)
         except (BlockingIOError, InterruptedError):
             self.counts.dropped += 1  # a full socket buffer: UDP's answer is loss
         except OSError as exc:
@@ -299,10 +294,10 @@ class UdpForwarder:
         self._dirty()
 
     def _new_flow(self, front: UdpFront, port: UdpPort, fkey: FlowKey, now: float
-                  ) -> Flow[socket.socket] | None:
+                  ) -> Flow[Upstream] | None:
         client_ip = fkey[0]
-        decision = decide(port.plan, client_ip, self._local_addresses(), port.balancer, now, (),
-                          self._cluster_cidrs())
+        decision = decide(port.plan, client_ip, self.tcp.local_addresses, port.balancer, now,
+                          (), self.tcp.cluster_cidrs)
         if type(decision) is not Forward:
             # Drop: silence, as the iptables rule's DROP. Reject reaches here only
             # in the moment before the socket closes; ICMP then comes from the kernel.
@@ -314,21 +309,20 @@ class UdpForwarder:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("UDP %s:%d -> %s:%d: %s", *fkey, decision.reason)
             return None
-        snat = decision.snat or not self._transparent()
+        snat = decision.snat or not self.tcp.transparent
         try:
-            up = self._upstream(None if snat else client_ip, decision.endpoint.addr)
+            up = Upstream(self._upstream(None if snat else client_ip, decision.endpoint.addr),
+                          front)
         except OSError as exc:
             self.warn(("udp-upstream", port.plan.key), "UDP %s: no socket to %s for %s: %s",
                       port.plan.key, decision.endpoint, client_ip, exc.strerror or exc)
             return None
-        flow: Flow[socket.socket] = Flow(fkey, port.plan, decision.endpoint, snat, now,
-                                         upstream=up)
+        flow: Flow[Upstream] = Flow(fkey, port.plan, decision.endpoint, snat, now, upstream=up)
         for old in self.flows.add(flow):
             if old.key != fkey:
                 self.counts.evicted += 1
             self._close(old)
-        self._fronts_by_flow[fkey] = front
-        self.loop.add_reader(up.fileno(), self._reply, flow)
+        self.loop.add_reader(up.sock.fileno(), self._reply, flow)
         self.counts.created += 1
         self._arm_expiry()
         return flow
@@ -346,18 +340,18 @@ class UdpForwarder:
             raise
         return s
 
-    def _reply(self, flow: Flow[socket.socket]) -> None:
+    def _reply(self, flow: Flow[Upstream]) -> None:
         """The endpoint answered: each datagram back to the client, from where it dialled."""
         up = flow.upstream
-        front = self._fronts_by_flow.get(flow.key)
-        if up is None or front is None:
+        if up is None:
             return
+        sock, front = up
         client, local = flow.client, flow.local
         vip_reply = front.table_key is None
         c = self.counts
         for _ in range(BATCH):
             try:
-                data = up.recv(DATAGRAM_MAX)
+                data = sock.recv(DATAGRAM_MAX)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:  # ICMP from the endpoint: this flow is over
@@ -398,19 +392,16 @@ class UdpForwarder:
 
     # -- ending flows ----------------------------------------------------------------
 
-    def _end(self, flow: Flow[socket.socket]) -> None:
+    def _end(self, flow: Flow[Upstream]) -> None:
         self.flows.remove(flow.key)
         self._close(flow)
 
-    def _close(self, flow: Flow[socket.socket]) -> None:
+    def _close(self, flow: Flow[Upstream]) -> None:
         up, flow.upstream = flow.upstream, None
-        if self._fronts_by_flow.get(flow.key) is not None and self.flows.get(
-                flow.key, time.monotonic()) is None:
-            self._fronts_by_flow.pop(flow.key, None)
         if up is not None:
             with contextlib.suppress(Exception):
-                self.loop.remove_reader(up.fileno())
-            up.close()
+                self.loop.remove_reader(up.sock.fileno())
+            up.sock.close()
 
     def _arm_expiry(self) -> None:
         if self._expiry is not None:
