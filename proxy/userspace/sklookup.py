@@ -14,10 +14,10 @@ same ``VIP:port`` are independent entries, as Services declare them.
 The accepted TCP socket's own address is the VIP and port the client
 dialled, so ``getsockname()`` says which service it is. A UDP socket has no
 per-flow socket: it learns the VIP and port a datagram was sent to from
-``IP_RECVORIGDSTADDR`` (``IP_PKTINFO`` gives the address but not the port),
-and answers as the VIP with ``IP_PKTINFO``'s ``ipi_spec_dst``; the source
-port of an answer is always the socket's own port, which ``IP_PKTINFO``
-cannot change.
+``IP_RECVORIGDSTADDR`` (``IP_PKTINFO`` gives the address but not the port).
+An answer's source port is always its socket's own, which ``IP_PKTINFO``
+cannot change, so ``proxy.userspace.udp`` answers through a socket bound to
+``VIP:port`` (one the program overrides, so it never receives).
 
 Never: touch another namespace, or outlive the process: the program and
 maps are reference-counted by their fds (no pinning), so they go when kpx
