@@ -773,8 +773,7 @@ def _last_nginx_error(lab: Any, pod: str, before: int) -> str | None:
     at = text.find("[error]")
     if at < 0:
         return None
-    line = text[at:].split(" while ", 1)[0] if " while " in text[at:] else text[at:]
-    return " ".join(line.split())[:160]
+    return " ".join(text[at:].split(" while ", 1)[0].split())[:160]
 
 
 def proxy_protocol(*, prefix: str = f"{DEFAULT_PREFIX}5", run_dir: Path | None = None,
