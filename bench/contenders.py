@@ -583,7 +583,11 @@ class Kpx(ProcessContender):
         # through the VIP answers (the routes and rules are put in force after
         # the first sync, in the background).
         self.wait_listening(self.proc, {self.port_base, self.port_base + 1}, self.start_timeout)
-        proc = self.proc
+        self.wait_answering(self.proc)
+
+    def wait_answering(self, proc: Proc) -> None:
+        """Until a GET through the target answers: for rules put in force after a sync."""
+        t = self.target()
 
         def answers() -> bool:
             if not proc.alive():
@@ -606,14 +610,50 @@ class KpxWorkers(Kpx):
     workers = 2
 
 
-CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2")
+class KpxNfqueue(Kpx):
+    """``kpx node --proxy-mode nfqueue``: Python decides each SYN, conntrack DNAT the rest."""
+
+    name = "kpx-nfq"
+    description = "kpx node --proxy-mode nfqueue (SYN decided in Python, kernel forwards)"
+    port_base = 30600
+
+    @classmethod
+    def serves(cls, workload: str) -> str | None:
+        if workload == "mem":
+            return "no proxied connection in the process: conntrack holds them"
+        if workload == "control":
+            return "the control workloads time the relay's listeners (nfqueue: issue 15)"
+        return super().serves(workload)
+
+    def unavailable(self) -> str | None:
+        why = super().unavailable()
+        if why is None and "nfqueue" not in self.node_help():
+            return "not available: `kpx node --help` shows no --proxy-mode nfqueue"
+        return why
+
+    def argv(self) -> list[str]:
+        return [*super().argv(), "--proxy-mode", "nfqueue"]
+
+    def start(self, path: str, state: str | None = None) -> None:
+        # Nothing listens in this mode: ready once a GET through the target answers.
+        ProcessContender.start(self, path)
+        udp_node_port = self.port_base + UDP_OFFSET if self.udp_service else None
+        write_atomic(self.state_path,
+                     state or bench_state(path, self.port_base, self.port_base + 1,
+                                          etp=self.etp, udp_node_port=udp_node_port))
+        self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
+                         self.log_dir, nofile=nofile_hard_limit()).start()
+        self.wait_answering(self.proc)
+
+
+CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq")
 """Every contender, in run and report order."""
 UDP_ONLY = ("socat",)
 """Contenders that take part only in the udp workload: in the default list only
 when udp runs, so the default TCP run is the same as before they existed."""
 CLASSES: dict[str, type[Contender]] = {
     "direct": Direct, "kernel": Kernel, "haproxy": HAProxy, "naive": Naive, "socat": Socat,
-    "kpx": Kpx, "kpx-w2": KpxWorkers,
+    "kpx": Kpx, "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue,
 }
 
 
@@ -638,5 +678,6 @@ def make_contenders(names: list[str], topo: Topology, log_dir: Path,
         "socat": Socat(topo, log_dir),
         "kpx": Kpx(topo, log_dir, kpx, etp, udp_service=udp),
         "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp, udp_service=udp),
+        "kpx-nfq": KpxNfqueue(topo, log_dir, kpx, etp, udp_service=udp),
     }
     return [table[n] for n in names]

@@ -99,6 +99,7 @@ class Sidecar:
             healthz_bind=args.healthz_bind_address,
             metrics_bind=args.metrics_bind_address,
             retry_interval=min(5.0, args.sync_period),
+            proxy_mode=getattr(args, "proxy_mode", PROXY_MODE),
         )
 
     @property

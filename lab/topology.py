@@ -269,7 +269,12 @@ def add_pod(plan: Plan, pod: str, node: str, slot: int) -> str:
             if host.link_lookup(ifname=hif):  # a leftover from a failed removal
                 host.link("del", index=_idx(host, hif))
             _veth(host, hif, ns, "eth0")
-            _up(host, hif, master=_idx(host, "cbr0"))
+            port = _up(host, hif, master=_idx(host, "cbr0"))
+            # Hairpin, as kubelet's --hairpin-mode=hairpin-veth sets it: a pod's
+            # packet to its own Service, DNATed back to itself by the kernel
+            # (nfqueue mode; iptables mode alike), leaves the bridge by the
+            # port it came in on. (IFLA_BRPORT_MODE is pyroute2's ``mode``.)
+            host.brport("set", index=port, mode=1)
             _up(pipr, "lo")
             pipr.addr("add", index=_idx(pipr, "eth0"), address=ip, prefixlen=POD_PREFIXLEN)
             _up(pipr, "eth0")

@@ -54,7 +54,10 @@ from proxy.commands.workers import supervise
 from proxy.core.addresses import parse_nodeport_addresses
 from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM
 from proxy.core.sync import SyncConfig
-from proxy.lifecycle.ownership import Ownership, OwnershipError, Successor
+from proxy.lifecycle.ownership import Ownership, OwnershipError, Successor, live_pids
+from proxy.nfqueue import conntrack
+from proxy.nfqueue.dataplane import NfqueueDataplane
+from proxy.nfqueue.rules import DEFAULT_QUEUE
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
@@ -79,6 +82,10 @@ def parse_duration(text: str) -> float:
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * units[suffix]
     return float(text)
+
+
+PROXY_MODES = ("userspace", "nfqueue")
+"""``--proxy-mode``: kube-proxy's flag name; userspace is the relay, nfqueue SYN-time decisions."""
 
 
 def parse_timeout(text: str) -> float:
@@ -187,6 +194,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         " to take them over; at most --shutdown-grace, 0: stop at once (default 2s)",
     )
     parser.add_argument(
+        "--proxy-mode", choices=PROXY_MODES, default="userspace",
+        help="userspace: relay every connection (default); nfqueue: decide each SYN in"
+        " Python, let conntrack DNAT forward the rest in the kernel",
+    )
+    parser.add_argument(
+        "--conntrack-max-per-core", type=int, default=conntrack.CONNTRACK_MAX_PER_CORE,
+        metavar="N", help="nfqueue mode: conntrack entries per CPU to make room for; 0 leaves"
+        f" nf_conntrack_max as it is (default {conntrack.CONNTRACK_MAX_PER_CORE})",
+    )
+    parser.add_argument(
+        "--conntrack-min", type=int, default=conntrack.CONNTRACK_MIN, metavar="N",
+        help=f"nfqueue mode: at least this many conntrack entries (default"
+        f" {conntrack.CONNTRACK_MIN})",
+    )
+    parser.add_argument(
+        "--queue-num", type=int, default=DEFAULT_QUEUE, metavar="N",
+        help=f"nfqueue mode: the NFQUEUE number SYNs are queued to (default {DEFAULT_QUEUE})",
+    )
+    parser.add_argument(
+        "--queue-bypass", action="store_true",
+        help="nfqueue mode: fail open (while no kpx reads the queue, SYNs pass undecided,"
+        " hence un-DNATed) instead of the default fail-closed (they are dropped and retried)",
+    )
+    parser.add_argument(
         "--workers", type=int, default=1, metavar="N",
         help="worker processes sharing the NodePorts via SO_REUSEPORT (default 1)",
     )
@@ -279,6 +310,8 @@ async def serve(args: argparse.Namespace) -> int:
     # A successor holds the listening sockets of the kpx node it takes over
     # from; its first sync adopts them instead of binding new ones.
     claim = ownership.claim if ownership is not None else None
+    if args.proxy_mode == "nfqueue":
+        return await serve_nfqueue(args, loop, hub, source, ownership)
     # ClusterIPs, externalIPs and VIP-mode LB IPs become local addresses of
     # the node (proxy.userspace.vips), as IPVS mode does with kube-ipvs0.
     local_vips = LocalVIPs()
@@ -348,23 +381,7 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         await start_sidecar()
 
-    stop = asyncio.Event()
-    interrupted = asyncio.Event()
-
-    def interrupt() -> None:
-        interrupted.set()
-        stop.set()
-
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, interrupt)
-    loop.add_signal_handler(signal.SIGHUP, source.reload)
-
-    log.info("kpx node %s running (state from %s)", args.hostname_override,
-             args.state or "the Kubernetes API")
-    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
-    await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if watcher.done() and watcher.exception() is not None:
-        log.error("state source died", exc_info=watcher.exception())
+    interrupted, stopper = await run_until_stopped(loop, args, source, watcher, "")
 
     if takeover is not None and not takeover.done():
         takeover.cancel()
@@ -474,6 +491,82 @@ def presize_fd_table(limit: int | None = None) -> int:
     return top + 1
 
 
+async def run_until_stopped(
+    loop: asyncio.AbstractEventLoop, args: argparse.Namespace,
+    source: StateFileSource | KubeAPISource, watcher: asyncio.Task[Any], mode: str,
+) -> tuple[asyncio.Event, asyncio.Task[Any]]:
+    """Serve until SIGTERM or SIGINT, or until the state source dies; SIGHUP re-reads it.
+
+    Returns ``interrupted`` (set by SIGINT: stop now, no handover window) and
+    the task waiting for the signal, for the caller to cancel once stopped.
+    """
+    stop = asyncio.Event()
+    interrupted = asyncio.Event()
+
+    def interrupt() -> None:
+        interrupted.set()
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    loop.add_signal_handler(signal.SIGHUP, source.reload)
+    log.info("kpx node %s running%s (state from %s)", args.hostname_override, mode,
+             args.state or "the Kubernetes API")
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher.done() and watcher.exception() is not None:
+        log.error("state source died", exc_info=watcher.exception())
+    return interrupted, stopper
+
+
+async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoop,
+                        hub: StateHub, source: StateFileSource | KubeAPISource,
+                        ownership: Ownership | None) -> int:
+    """``kpx node --proxy-mode nfqueue``: the same sync and healthz, a SYN-deciding dataplane.
+
+    A restart needs no socket handover: the old process gives the queue back
+    when it stops, the new one binds it (retrying meanwhile), and every
+    established connection keeps flowing in conntrack throughout. SYNs in
+    between are dropped (fail-closed) and retransmitted, or with
+    ``--queue-bypass`` pass undecided.
+    """
+    conntrack.apply(conntrack.Settings.from_flags(args))
+    dataplane = NfqueueDataplane(loop=loop, queue=args.queue_num, bypass=args.queue_bypass,
+                                 cluster_cidrs=args.cluster_cidr, health=hub.health)
+    sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
+    Proxier(sync_config(args), dataplane=dataplane,
+            services=sidecar.services if sidecar is not None else None,
+            health=hub.health).attach(hub)
+    watcher = await start_source(source, args.sync_period)
+    if ownership is not None:
+        ownership.attach(loop)
+    if sidecar is not None:
+        await sidecar.start()
+    interrupted, stopper = await run_until_stopped(loop, args, source, watcher,
+                                                   " in nfqueue mode")
+    source.stop()
+    if ownership is not None:
+        ownership.stopping()
+    await dataplane.stop_accepting()  # the queue is free for a successor from here
+    if sidecar is not None:
+        await sidecar.stop()
+    if ownership is not None:
+        ownership.release()
+        # A rolling restart's successor announces itself once it has the owner
+        # name: wait for it a moment, so the rules stay. Removing them would
+        # unhook NAT from every established connection until it reinstalls
+        # them, and reset those connections.
+        window = 0.0 if interrupted.is_set() else min(args.handover_wait, args.shutdown_grace)
+        deadline = loop.time() + window
+        while loop.time() < deadline and not live_pids() - {os.getpid()}:
+            await asyncio.sleep(0.05)
+    dataplane.close()  # removes the rules only if no other kpx is present
+    watcher.cancel()
+    stopper.cancel()
+    log.info("kpx node %s stopped", args.hostname_override)
+    return 0
+
+
 def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
     """Run ``main`` on uvloop, the loop kube-proxy's userspace relay needs to keep up."""
     return uvloop.run(main)
@@ -498,6 +591,13 @@ def run(args: argparse.Namespace) -> int:
         make_source(args, StateHub())
     except KubeConfigError as e:
         log.error("%s", e)
+        return 2
+    if args.proxy_mode == "nfqueue" and args.workers > 1:
+        log.error("--workers: nfqueue mode decides SYNs in one process (one queue); use"
+                  " --workers 1")
+        return 2
+    if not 0 <= args.queue_num <= 0xFFFF:
+        log.error("--queue-num %d: must be 0-65535", args.queue_num)
         return 2
     try:
         # One process takes the old one's listening sockets over; --workers

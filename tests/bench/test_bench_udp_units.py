@@ -237,7 +237,8 @@ def test_udp_is_opt_in_and_brings_socat() -> None:
     assert default_contenders(cfg.workloads) == cfg.contenders
     cfg = cli.build_config(parse("--workloads", "udp", "--quick"))
     assert cfg.workloads == ["udp"]
-    assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2"]
+    assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2",
+                              "kpx-nfq"]
     assert cfg.settings.duration("udp") == 3.0  # rr's length, quick
     cfg = cli.build_config(parse("--workloads", "rr,udp", "--duration", "1.5"))
     assert cfg.settings.duration("udp") == 1.5 and cfg.settings.duration("rr") == 1.5

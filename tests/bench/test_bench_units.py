@@ -75,7 +75,8 @@ def test_quick_defaults() -> None:
     assert cfg.quick and cfg.runs == 1 and cfg.paths == ["local"]
     assert cfg.settings.durations == {"bulk": 2.0, "rr": 3.0, "cps": 3.0}
     assert cfg.control.changes == 20
-    assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2"]
+    assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2",
+                              "kpx-nfq"]
     assert cfg.workloads == ["bulk", "rr", "cps", "mem", "control"]
 
 

@@ -37,8 +37,10 @@ from tests.support.labkit import (
     POD_PORT,
     connect_outcome,
     generations,
+    in_every_proxy_mode,
     lab_spec,
     logs,
+    mode_of,
     peer_ip,
     poll_change,
     service,
@@ -57,6 +59,9 @@ DROP_WINDOW = 1.5
 """Seconds a dropped SYN must stay unanswered (scapy sniff, plain connect timeout)."""
 CHANGE_LIMIT = 1.0
 """Issue 2: a state-file change applies to new connections within 1 second."""
+
+
+lab_factory = in_every_proxy_mode()
 
 
 def up(lab_factory: LabFactory, spec: dict[str, Any], **kw: Any) -> Lab:
@@ -485,12 +490,23 @@ def test_refused_backend_is_retried_on_another_endpoint(lab_factory: LabFactory)
     web-1's server is killed, so its port refuses while its endpoint stays
     published. Every request still succeeds, on web-2, and each proxy logs
     the failure naming the service, the endpoint and the client.
+
+    nfqueue mode cannot pass this, by design: the SYN is DNATed to the
+    endpoint kpx chose and nothing relays, so the endpoint's RST reaches the
+    client, as in kube-proxy's iptables and nftables modes. There the test
+    asserts that instead: round robin alternates, every other connect is
+    refused at once, the rest reach web-2.
     """
     lab = up(lab_factory, lab_spec({"web-1": "node1", "web-2": "node2"}, service("web")))
     port = lab.node_port("default/web")
     dead = f"{lab.pod_ip('web-1')}:{POD_PORT}"
     lab.kill_pod("web-1")
     assert connect_outcome(lab, "node1", lab.pod_ip("web-1"), POD_PORT, 1.0) == "refused"
+    if mode_of(lab_factory) == "nfqueue":
+        outcomes = [connect_outcome(lab, "client", lab.node_ip("node1"), port, 1.0)
+                    for _ in range(6)]
+        assert sorted(outcomes) == ["ok"] * 3 + ["refused"] * 3, outcomes
+        return
 
     marks = {n: len(lab.proxy_log(n)) for n in lab.nodes}
     clients: dict[str, set[int]] = {"node1": set(), "node3": set()}
@@ -583,3 +599,16 @@ def test_malformed_state_is_refused_with_a_clear_message_and_the_last_good_state
     assert elapsed < CHANGE_LIMIT, f"the fixed file took {elapsed:.2f}s"
     reply, _ = who(lab, "client", ip2, port)
     assert (reply["pod"], peer_ip(reply)) == ("web-1", ip2)
+
+
+# ------------------------------------------------------------------ 11. modes
+
+
+@pytest.mark.lab
+def test_the_proxy_mode_in_use_is_reported(lab_factory: LabFactory,
+                                           one_pod_spec: SpecFactory) -> None:
+    """``/proxyMode`` on the metrics port says which dataplane serves (kube-proxy's endpoint)."""
+    lab = up(lab_factory, one_pod_spec(etp="Cluster", node="node1"))
+    assert lab.metrics_port is not None
+    status, body = lab.http_get("node1", "127.0.0.1", lab.metrics_port, "/proxyMode")
+    assert (status, body.decode()) == (200, mode_of(lab_factory))

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
+
 from lab import Lab
 from lab.common import wait_until
 from tests.support import objects
@@ -31,6 +33,8 @@ CLIENT_IP = "10.79.0.100"
 """The external client (lab.topology.CLIENT_IP); asserted literally, as the issue states it."""
 POD_PORT = 8080
 GENERATION_RE = re.compile(r"state file \S+: generation (\d+) ")
+NFQUEUE_IN_FORCE_RE = re.compile(r"nfqueue rules in force \(generation (\d+)\)")
+NFQUEUE_MODE = "running in nfqueue mode"
 
 Outcome = str
 """``ok``, ``refused``, ``timeout``, ``reset`` or ``error: ...``: what a connect attempt saw."""
@@ -67,9 +71,15 @@ def lab_spec(pods: Mapping[str, str], *services: dict[str, Any], nodes: int = 3,
 
 
 def generation(lab: Lab, node: str) -> int:
-    """The newest state-file generation node's ``kpx node`` has logged (0: none yet)."""
-    found = GENERATION_RE.findall(lab.proxy_log(node))
-    return max((int(g) for g in found), default=0)
+    """The newest state-file generation node's ``kpx node`` has put in force (0: none yet).
+
+    The relay puts a generation in force in the very callback that logs it
+    was read. In nfqueue mode the rules are written after that, by ``nft``:
+    there the generation counts once the dataplane logs it "in force".
+    """
+    text = lab.proxy_log(node)
+    rx = NFQUEUE_IN_FORCE_RE if NFQUEUE_MODE in text else GENERATION_RE
+    return max((int(g) for g in rx.findall(text)), default=0)
 
 
 def generations(lab: Lab) -> dict[str, int]:
@@ -187,3 +197,34 @@ def timed_connects(lab: Lab, src: str, targets: Iterable[tuple[str, int]],
     todo = list(targets)
     with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
         return dict(zip(todo, pool.map(one, todo), strict=True))
+
+
+PROXY_MODES = ("userspace", "nfqueue")
+"""Every verdict test runs against both dataplanes (issue 15): the relay, and SYNs decided
+in Python with conntrack forwarding the rest."""
+
+
+def in_every_proxy_mode() -> Any:
+    """A module's ``lab_factory`` override: each of its tests once per proxy mode.
+
+    ``lab_factory = in_every_proxy_mode()`` in a test module; the factory it
+    gives adds ``--proxy-mode <mode>`` to every ``kpx node`` and says which
+    (``mode_of``).
+    """
+    @pytest.fixture(params=PROXY_MODES)
+    def lab_factory(request: pytest.FixtureRequest,
+                    lab_factory: Callable[..., Lab]) -> Callable[..., Lab]:
+        mode: str = request.param
+
+        def make(spec: Any = None, **kw: Any) -> Lab:
+            args = [*kw.pop("extra_proxy_args", ()), "--proxy-mode", mode]
+            return lab_factory(spec, extra_proxy_args=args, **kw)
+
+        make.mode = mode  # type: ignore[attr-defined]
+        return make
+
+    return lab_factory
+
+
+def mode_of(lab_factory: Callable[..., Lab]) -> str:
+    return str(getattr(lab_factory, "mode", "userspace"))

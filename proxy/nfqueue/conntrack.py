@@ -1,0 +1,236 @@
+"""Conntrack settings for ``--proxy-mode nfqueue``, as kube-proxy's iptables mode sets them.
+
+Owns: the sysctls that decide how long conntrack keeps a DNATed connection
+and how many it can hold, ``route_localnet``, and the deletion of UDP
+flows pinned to an endpoint that is gone (``stale_udp``), in the namespace
+kpx runs in.
+
+In nfqueue mode the kernel forwards every established connection through
+the NAT conntrack recorded at its SYN, so conntrack's limits are kpx's:
+
+- ``nf_conntrack_tcp_timeout_established`` from ``--conntrack-tcp-timeout-established``
+  (24h) and ``nf_conntrack_tcp_timeout_close_wait`` from
+  ``--conntrack-tcp-timeout-close-wait`` (1h); 0 leaves a value as it is,
+  as in kube-proxy;
+- ``nf_conntrack_max``, raised (never lowered) to
+  ``max(--conntrack-min, --conntrack-max-per-core x CPUs)`` (131072 and
+  32768, kube-proxy's defaults). The kernel lets only the initial namespace
+  write it: elsewhere it is read, and a table smaller than wanted is a
+  warning. A full table drops new connections' SYNs (``nf_conntrack: table
+  full``), so this is the sizing knob;
+- TIME_WAIT: a closed connection's entry stays for conntrack's own
+  ``nf_conntrack_tcp_timeout_time_wait`` (120 s), left as it is (kube-proxy
+  does the same); it is what ``nf_conntrack_max`` must leave room for at
+  a high connection rate (120 s x 10,000 conn/s = 1.2 M entries);
+- ``nf_conntrack_udp_timeout`` and ``_stream`` from ``--conntrack-udp-timeout``
+  (30 s) and ``--conntrack-udp-timeout-stream`` (120 s), in whole seconds
+  (rounded up): how long a UDP flow stays pinned to its endpoint after its
+  last datagram, as the relay's flow table keeps it in userspace mode;
+- ``net.ipv4.conf.all.route_localnet=1``, so a SYN to ``127.0.0.1:nodePort``
+  may be DNATed out of the node, as kube-proxy's iptables mode allows
+  localhost NodePorts.
+
+Never: lower a limit someone raised, or fail the start for a setting the
+namespace cannot take (logged instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import math
+import os
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from proxy.core.decision import PlanKey, PortPlan
+
+log = logging.getLogger(__name__)
+
+PROC = Path("/proc/sys")
+CONNTRACK_MIN = 131072
+CONNTRACK_MAX_PER_CORE = 32768
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What to set; 0 for a timeout leaves it as it is."""
+
+    tcp_established: float = 86400.0
+    tcp_close_wait: float = 3600.0
+    udp: float = 30.0
+    udp_stream: float = 120.0
+    max_per_core: int = CONNTRACK_MAX_PER_CORE
+    min: int = CONNTRACK_MIN
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> Settings:
+        return cls(
+            tcp_established=getattr(args, "conntrack_tcp_timeout_established", 86400.0),
+            tcp_close_wait=getattr(args, "conntrack_tcp_timeout_close_wait", 3600.0),
+            udp=getattr(args, "conntrack_udp_timeout", 30.0),
+            udp_stream=getattr(args, "conntrack_udp_timeout_stream", 120.0),
+            max_per_core=getattr(args, "conntrack_max_per_core", CONNTRACK_MAX_PER_CORE),
+            min=getattr(args, "conntrack_min", CONNTRACK_MIN),
+        )
+
+    def wanted_max(self, cpus: int | None = None) -> int:
+        """kube-proxy's ``getConntrackMax``: per-core times CPUs, at least ``min``; 0: leave."""
+        if not self.max_per_core:
+            return 0
+        return max(self.min, self.max_per_core * (cpus or os.cpu_count() or 1))
+
+
+def wanted(settings: Settings, cpus: int | None = None) -> dict[str, int]:
+    """The sysctl values to make sure of, by path under /proc/sys (pure)."""
+    out: dict[str, int] = {"net/ipv4/conf/all/route_localnet": 1}
+    if settings.tcp_established:
+        out["net/netfilter/nf_conntrack_tcp_timeout_established"] = int(settings.tcp_established)
+    if settings.tcp_close_wait:
+        out["net/netfilter/nf_conntrack_tcp_timeout_close_wait"] = int(settings.tcp_close_wait)
+    for key, seconds in (("udp_timeout", settings.udp), ("udp_timeout_stream",
+                                                           settings.udp_stream)):
+        if seconds:
+            out[f"net/netfilter/nf_conntrack_{key}"] = max(1, math.ceil(seconds))
+    if settings.wanted_max(cpus):
+        out["net/netfilter/nf_conntrack_max"] = settings.wanted_max(cpus)
+    return out
+
+
+def apply(settings: Settings, root: Path = PROC) -> dict[str, int]:
+    """Set what ``wanted`` says, where it is not already so; returns what was written.
+
+    ``nf_conntrack_max`` is only ever raised. A value the namespace cannot
+    write is logged, never raised.
+    """
+    done: dict[str, int] = {}
+    for key, value in wanted(settings).items():
+        path = root / key
+        try:
+            current = int(path.read_text().split()[0])
+        except (OSError, ValueError, IndexError) as exc:
+            log.warning("conntrack: cannot read %s: %s", key.replace("/", "."), exc)
+            continue
+        if current == value or (key.endswith("nf_conntrack_max") and current >= value):
+            continue
+        try:
+            path.write_text(f"{value}\n")
+        except OSError as exc:
+            level = logging.INFO if key.endswith("nf_conntrack_max") else logging.WARNING
+            log.log(level, "conntrack: %s stays %d (wanted %d): %s", key.replace("/", "."),
+                    current, value, exc.strerror or exc)
+            continue
+        done[key] = value
+    if done:
+        log.info("conntrack: set %s", ", ".join(f"{k.rsplit('/', 1)[1]}={v}"
+                                                for k, v in done.items()))
+    return done
+
+
+# -- stale UDP flows ----------------------------------------------------------------------
+
+UDP = 17
+
+
+class UdpEntry(NamedTuple):
+    """What ``stale_udp`` reads of one conntrack entry, and what deleting it needs."""
+
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    reply_src: str
+    """The reply direction's source: the endpoint a DNATed flow went to."""
+
+
+def serving(udp_plans: Mapping[PlanKey, PortPlan]
+            ) -> tuple[dict[tuple[str, int], frozenset[str]], dict[int, frozenset[str]]]:
+    """The endpoint IPs each UDP frontend may keep flows to: by ``(vip, port)`` and by nodePort.
+
+    A plan without endpoints is left out, as kube-proxy leaves it: its
+    flows are rejected or dropped, and nothing better exists to move them to.
+    """
+    by_vip: dict[tuple[str, int], frozenset[str]] = {}
+    by_node_port: dict[int, frozenset[str]] = {}
+    for plan in udp_plans.values():
+        ips = frozenset(ep.ip for eps in (plan.cluster, plan.local) for ep in eps)
+        if not ips:
+            continue
+        if plan.vip is None:
+            by_node_port[plan.port.node_port] = ips
+        else:
+            by_vip[(plan.vip, plan.port.port)] = ips
+    return by_vip, by_node_port
+
+
+def stale_udp(entries: Iterable[UdpEntry], udp_plans: Mapping[PlanKey, PortPlan],
+              local_addresses: Collection[str]) -> list[UdpEntry]:
+    """The UDP flows conntrack pins to something other than an endpoint still served (pure).
+
+    kube-proxy's ``conntrack.CleanStaleEntries`` (pkg/proxy/conntrack/cleanup.go):
+    an entry to a service ``VIP:port``, or to a NodePort, whose reply
+    source is not one of that port's endpoints. Left alone, such a flow
+    keeps going where it went (a deleted pod, or the node's own stack,
+    which answered ICMP while the port had no endpoint) for as long as its
+    client keeps sending, since every datagram refreshes it. Deleted, its
+    next datagram is a new flow and is decided again.
+
+    Two narrowings: a NodePort entry counts only when it was addressed to
+    this node (one of ``local_addresses`` or 127.0.0.0/8), where kube-proxy
+    matches the port on any address; and the endpoints are the ones kpx
+    would still pick (``plan.cluster`` and ``plan.local``), the set the
+    userspace mode's flows are held to (``decision.still_eligible``), where
+    kube-proxy keeps flows to serving-terminating endpoints as well.
+    """
+    by_vip, by_node_port = serving(udp_plans)
+    if not by_vip and not by_node_port:
+        return []
+    out: list[UdpEntry] = []
+    for e in entries:
+        ips = by_vip.get((e.dst, e.dport))
+        if ips is None and e.dport in by_node_port and (
+                e.dst in local_addresses or e.dst.startswith("127.")):
+            ips = by_node_port[e.dport]
+        if ips is not None and e.reply_src not in ips:
+            out.append(e)
+    return out
+
+
+def clean_stale_udp(udp_plans: Mapping[PlanKey, PortPlan],
+                    local_addresses: Collection[str]) -> int:
+    """Delete the entries ``stale_udp`` names from this namespace's conntrack; returns how many.
+
+    Blocking (ctnetlink through pyroute2): run it off the event loop. An
+    entry that expired meanwhile is not an error.
+    """
+    if serving(udp_plans) == ({}, {}):
+        return 0
+    # Imported here: only nfqueue mode with UDP services needs ctnetlink.
+    from pyroute2 import Conntrack
+    from pyroute2.netlink.exceptions import NetlinkError
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    ct = Conntrack()
+    try:
+        entries = []
+        for raw in ct.dump_entries(tuple_orig=NFCTAttrTuple(proto=UDP)):
+            o, r = raw.tuple_orig, raw.tuple_reply
+            if o.proto != UDP or o.saddr is None or r.saddr is None:
+                continue
+            entries.append(UdpEntry(o.saddr, o.sport, o.daddr, o.dport, r.saddr))
+        deleted = 0
+        for e in stale_udp(entries, udp_plans, local_addresses):
+            try:
+                ct.entry("del", tuple_orig=NFCTAttrTuple(
+                    saddr=e.src, daddr=e.dst, proto=UDP, sport=e.sport, dport=e.dport))
+            except NetlinkError as exc:
+                if exc.code != errno.ENOENT:
+                    raise OSError(exc.code, f"conntrack delete {e}: {exc}") from exc
+                continue
+            deleted += 1
+        return deleted
+    finally:
+        ct.close()

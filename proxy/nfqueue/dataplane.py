@@ -1,0 +1,579 @@
+"""``--proxy-mode nfqueue``: Python decides each connection's SYN, the kernel forwards the rest.
+
+Owns: the queue socket (``proxy.nfqueue.netlink``), the rules that feed it
+and act on its verdicts (``proxy.nfqueue.rules``), and the per-service-port
+balancers. For each queued SYN, and each UDP datagram that starts a flow,
+it applies the plan in force for the address, port and protocol the packet
+is for (``decision.decide``, the very function the relay uses) and answers:
+
+- Forward: NF_ACCEPT with a mark naming the endpoint's slot (and the
+  masquerade bit when the decision SNATs); the nft maps DNAT to it and
+  conntrack carries the connection from then on, in the kernel;
+- Drop: NF_DROP (the client retransmits, then times out);
+- Reject: NF_ACCEPT with the REJECT mark, answered with a TCP reset (UDP:
+  ICMP port unreachable).
+
+A UDP flow stays where its first datagram went for as long as conntrack
+keeps it; when an endpoint stops being served, the entries pinned to it
+are deleted (``conntrack.stale_udp``), as kube-proxy does, so the flow's
+next datagram is decided again instead of vanishing.
+
+Slots: every endpoint ``(ip, port)`` of a frontend (a NodePort, or a VIP's
+port; per protocol) has a stable slot there, and the DNAT maps are keyed by
+slot and frontend (``Slots``). A new plan table is put in force only once
+``nft`` has written the maps it needs, so a verdict never names a slot the
+kernel does not have yet; a slot is retired one sync after its endpoint
+left, so SYNs decided just before still find it.
+
+Never: relay a byte, retry a failed connect (the endpoint's RST reaches the
+client, as with iptables mode), or touch a rule that is not kpx's. The
+rules are installed once the queue is bound, changed element by element on
+each sync (the whole table when that is refused), and removed at exit only
+when no other kpx is present in the namespace.
+
+What differs from the relay (the README has the table): no retry, the
+connect timeout is the client's, half-close/RST/backpressure are the
+kernel's, drain follows conntrack (nothing to drain in this process), and
+no byte counts are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from healthz.proxy_health import ProxyHealth
+from proxy import metrics
+from proxy.core.balancer import Balancer
+from proxy.core.decision import Drop, Forward, PlanKey, PortPlan, decide
+from proxy.core.sync import SyncResult
+from proxy.lifecycle.ownership import live_pids
+from proxy.nfqueue import conntrack, netlink, rules
+from proxy.util import spawn
+from proxy.util.lograte import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+TCP = 6
+UDP = 17
+FULL_SYNC_PERIOD = 3600.0
+"""Seconds between whole-table writes, whatever changed: kube-proxy's ``FullSyncPeriod``
+(an hour), after which anything changed by hand in kpx's table is put right even if no
+element-by-element change ran into it."""
+METRICS_FLUSH_INTERVAL = 1.0
+"""Seconds between metric flushes: what a scrape may lag behind the verdicts."""
+BIND_RETRY = 0.1
+"""Seconds between attempts to bind a queue a predecessor still holds (a restart)."""
+
+
+class Table(NamedTuple):
+    """What the verdicts read: the plans and target indices in force, together."""
+
+    plans: Mapping[PlanKey, PortPlan]
+    served: rules.Served
+    udp_plans: Mapping[PlanKey, PortPlan]
+    marks: Mapping[tuple[int, PlanKey], Mapping[tuple[str, int], tuple[int, int]]]
+    """(protocol, plan's table key) -> endpoint -> its FORWARD marks (without, with
+    masquerade): what a verdict sends, made once per sync."""
+
+
+class _Wanted(NamedTuple):
+    """The latest ``apply``, waiting to be put in force."""
+
+    generation: int
+    plans: Mapping[PlanKey, PortPlan]
+    hosts: tuple[str, ...]
+    udp_plans: Mapping[PlanKey, PortPlan]
+
+
+_NONE: Mapping[tuple[str, int], tuple[int, int]] = {}
+
+_UDP = "udp"
+"""The ``per_port`` key of UDP counts: the UDP metrics have no service label."""
+
+
+class Targets:
+    """Stable endpoint -> index numbering for the ``targets`` map, with one sync of grace."""
+
+    def __init__(self, max_index: int) -> None:
+        self.max_index = max_index
+        self._index: dict[tuple[str, int], int] = {}
+        self._retiring: dict[tuple[str, int], int] = {}
+        self._free: list[int] = []
+        self._next = 1
+
+    def assign(self, wanted: Iterable[tuple[str, int]]) -> dict[int, tuple[str, int]]:
+        """Number ``wanted``; returns the whole map to write (retiring entries included).
+
+        ValueError when more endpoints are wanted than the mark can number.
+        """
+        wanted = set(wanted)
+        # Retired a sync ago: their indices are free again.
+        self._free.extend(self._retiring.values())
+        self._retiring = {ep: i for ep, i in self._index.items() if ep not in wanted}
+        self._index = {ep: i for ep, i in self._index.items() if ep in wanted}
+        for ep in sorted(wanted - self._index.keys()):
+            if self._free:
+                i = self._free.pop()
+            elif self._next <= self.max_index:
+                i, self._next = self._next, self._next + 1
+            else:
+                raise ValueError(f"nfqueue mode numbers at most {self.max_index} distinct"
+                                 f" endpoints; this state has more")
+            self._index[ep] = i
+        return {i: ep for ep, i in (*self._index.items(), *self._retiring.items())}
+
+    @property
+    def index(self) -> dict[tuple[str, int], int]:
+        return dict(self._index)
+
+
+def frontend(plan: PortPlan, proto: str) -> rules.Frontend:
+    """Where ``plan`` is reached: (VIP or None for a NodePort, protocol, port)."""
+    if plan.vip is None:
+        return (None, proto, plan.port.node_port)
+    return (plan.vip, proto, plan.port.port)
+
+
+class Slots:
+    """A ``Targets`` numbering per frontend: the DNAT maps' keys are (slot, frontend).
+
+    Why per frontend: the mark has room for 32,766 numbers, and a node serves
+    every endpoint of the cluster; a service port rarely has more than a few
+    hundred. A frontend that goes keeps its slots for one more sync, as an
+    endpoint does.
+    """
+
+    def __init__(self, max_slot: int) -> None:
+        self.max_slot = max_slot
+        self._fronts: dict[rules.Frontend, Targets] = {}
+
+    def assign(self, wanted: Mapping[rules.Frontend, Iterable[tuple[str, int]]]
+               ) -> dict[rules.Frontend, dict[int, tuple[str, int]]]:
+        """Number each frontend's endpoints; the whole of both maps to write.
+
+        ValueError naming the frontend when one has more endpoints than a mark numbers.
+        """
+        out: dict[rules.Frontend, dict[int, tuple[str, int]]] = {}
+        for fe, eps in wanted.items():
+            t = self._fronts.get(fe)
+            if t is None:
+                t = self._fronts[fe] = Targets(self.max_slot)
+            try:
+                out[fe] = t.assign(eps)
+            except ValueError:
+                vip, proto, port = fe
+                raise ValueError(f"{vip or 'NodePort'} {port}/{proto}: more than"
+                                 f" {self.max_slot} endpoints") from None
+        for fe in [fe for fe in self._fronts if fe not in wanted]:
+            retiring = self._fronts[fe].assign(())
+            if retiring:
+                out[fe] = retiring
+            else:
+                del self._fronts[fe]
+        return out
+
+    def index(self, fe: rules.Frontend) -> dict[tuple[str, int], int]:
+        t = self._fronts.get(fe)
+        return {} if t is None else t.index
+
+
+def _queued(plans: Mapping[PlanKey, PortPlan], hosts: tuple[str, ...], vips: set[str]
+            ) -> tuple[frozenset[int], frozenset[tuple[str, int]]]:
+    """One protocol's ``(ports, pairs)``; adds every VIP seen to ``vips``."""
+    wildcard = "0.0.0.0" in hosts
+    ports: set[int] = set()
+    pairs: set[tuple[str, int]] = set()
+    for plan in plans.values():
+        if plan.vip is not None:
+            vips.add(plan.vip)
+            if plan.listen:
+                pairs.add((plan.vip, plan.port.port))
+        elif plan.listen:
+            if wildcard:
+                ports.add(plan.port.node_port)
+            else:
+                pairs.update((h, plan.port.node_port) for h in hosts)
+    return frozenset(ports), frozenset(pairs)
+
+
+def _endpoints(plans: Mapping[PlanKey, PortPlan], udp_plans: Mapping[PlanKey, PortPlan]
+               ) -> dict[rules.Frontend, set[tuple[str, int]]]:
+    """Every frontend's endpoints: both sets, since a local terminating endpoint (eTP=Local's
+    fallback) is in ``local`` only while ready ones elsewhere fill ``cluster``."""
+    out: dict[rules.Frontend, set[tuple[str, int]]] = {}
+    for name, table in (("tcp", plans), ("udp", udp_plans)):
+        for plan in table.values():
+            out.setdefault(frontend(plan, name), set()).update(
+                ep.addr for eps in (plan.cluster, plan.local) for ep in eps)
+    return out
+
+
+def served_for(plans: Mapping[PlanKey, PortPlan], listen_hosts: Iterable[str],
+               targets: Mapping[rules.Frontend, Mapping[int, tuple[str, int]]],
+               udp_plans: Mapping[PlanKey, PortPlan] | None = None) -> rules.Served:
+    """What the table must queue for ``plans`` and ``udp_plans`` (pure).
+
+    A NodePort with endpoints is queued on every local address (``0.0.0.0``
+    in ``listen_hosts``) or on the given ones (``--nodeport-addresses``);
+    a VIP port on its VIP. A port without endpoints is not queued: a TCP
+    NodePort then meets no listener (RST), a UDP one the node's own ICMP
+    port unreachable, a VIP the table's reject.
+    """
+    hosts = tuple(listen_hosts)
+    vips: set[str] = set()
+    ports, pairs = _queued(plans, hosts, vips)
+    udp_ports, udp_pairs = _queued(udp_plans or {}, hosts, vips)
+    return rules.Served(ports, pairs, {fe: dict(t) for fe, t in targets.items()},
+                        frozenset(vips), udp_ports, udp_pairs)
+
+
+def _count(per_port: Mapping[tuple[str, str], int]) -> None:
+    """The relay's metrics, per batch: a SYN is a connection decided, a datagram a flow."""
+    for (key, what), n in per_port.items():
+        if key == _UDP:
+            if what == "forward":
+                metrics.UDP_FLOWS_CREATED.inc(n)
+            else:
+                metrics.UDP_DATAGRAMS_DROPPED.labels(
+                    "dropped" if what == "drop" else "rejected").inc(n)
+            continue
+        metrics.CONNECTIONS_ACCEPTED.labels(key).inc(n)
+        if what == "snat" or what == "direct":
+            metrics.CONNECTIONS_FORWARDED.labels(key, "true" if what == "snat" else "false").inc(n)
+        elif what == "drop":
+            metrics.CONNECTIONS_DROPPED.labels(key).inc(n)
+        else:
+            metrics.CONNECTIONS_REJECTED.labels(key).inc(n)
+
+
+class NfqueueDataplane:
+    """The SYN-deciding dataplane: a ``proxier.Backend`` for ``--proxy-mode nfqueue``."""
+
+    mode = "nfqueue"
+    FAULT = "nfqueue-rules"
+    """The ``ProxyHealth`` fault held while no sync's rules are in force."""
+
+    def __init__(
+        self,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        queue: int = rules.DEFAULT_QUEUE,
+        bypass: bool = False,
+        cluster_cidrs: Iterable[str | ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+        config: rules.QueueConfig | None = None,
+        bind_timeout: float = 30.0,
+        health: ProxyHealth | None = None,
+    ) -> None:
+        self.loop = loop
+        self.cfg = config or rules.QueueConfig(queue=queue, bypass=bypass)
+        self.cluster_cidrs = tuple(ipaddress.ip_network(c, strict=False) for c in cluster_cidrs)
+        self.local_addresses: frozenset[str] = frozenset()
+        self.synced = asyncio.Event()
+        self.generation = -1
+        self.generation_in_force = -1
+        self._bind_timeout = bind_timeout
+        self._health = health
+        if health is not None:
+            # /healthz answers 200 once the rules of a sync are in force, not when
+            # the sync is handed over: a lab or a readiness probe that trusts it
+            # must not send a first packet that nothing decides yet.
+            health.set_fault(self.FAULT, "nfqueue rules not in force yet")
+        self._sock: netlink.QueueSocket | None = None
+        self._mechanism: rules.Mechanism | None = None
+        self._slots = Slots(self.cfg.layout.max_index)
+        self._written: rules.Elements | None = None
+        """What the table holds, as kpx last wrote it; None: not known, write it whole."""
+        self._whole_at = time.monotonic()
+        """When the whole table was last written (``install`` counts)."""
+        self._table = Table({}, rules.Served(), {}, {})
+        self._udp_serving: object = None
+        """What the last stale-UDP cleanup was for (``conntrack.serving``): another runs
+        only when it changes, which is when a flow can have gone stale."""
+        self._balancers: dict[str, Balancer] = {}
+        self._wanted: _Wanted | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._accepting = True
+        self._warn = RateLimitedLog(log)
+        self._counts: dict[tuple[str, str], int] = {}
+        """(service port, verdict) -> packets since the last ``flush_metrics``."""
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self.decided = {"forward": 0, "drop": 0, "reject": 0, "unknown": 0}
+        """SYNs answered since start, by verdict (``unknown``: no plan for it)."""
+
+    # -- what the node command asks of a dataplane ----------------------------------
+
+    transparent_active = False
+    """The client IP is kept by plain DNAT: no transparent return path is installed."""
+
+    def listening_sockets(self) -> list[tuple[tuple[str, int], object]]:
+        return []  # nothing to hand over: the queue is bound afresh by a successor
+
+    def listeners(self) -> list[tuple[str, int, str]]:
+        return []
+
+    def active_connections(self) -> int:
+        return 0  # connections live in conntrack, not here
+
+    def prepare(self, sync: SyncResult) -> None:
+        """Nothing ahead of time: the table is rendered when it is written."""
+
+    def apply(self, sync: SyncResult) -> None:
+        """Put ``sync`` in force: write the rules for it, then swap the table (newest wins)."""
+        if self._closed:
+            return
+        self.generation = sync.generation
+        self.local_addresses = frozenset(sync.node_ips)
+        self._wanted = _Wanted(sync.generation, sync.plans, sync.listen_hosts, sync.udp_plans)
+        if self._task is None or self._task.done():
+            self._task = self.loop.create_task(self._put(), name="nfqueue-rules")
+
+    async def applied(self) -> None:
+        """Wait until the rules and table of the latest ``apply`` are in force (tests)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def _put(self) -> None:
+        """Bind the queue (first time), write the table, swap the plans; again if newer."""
+        while self._wanted is not None and not self._closed:
+            wanted = self._wanted
+            generation, plans, hosts, udp_plans = wanted
+            self._wanted = None
+            try:
+                if self._sock is None:
+                    await self._bind()
+                # Both sets: a local terminating endpoint (eTP=Local's fallback) is
+                # in ``local`` only, while ready ones elsewhere fill ``cluster``.
+                targets = self._slots.assign(_endpoints(plans, udp_plans))
+                served = served_for(plans, hosts, targets, udp_plans)
+                # Off the loop: at tens of thousands of services the text takes a
+                # while, and SYNs keep being decided meanwhile (the plans are immutable).
+                el = await asyncio.to_thread(rules.elements, served, self.cfg.layout)
+                if self._mechanism is None:
+                    self._mechanism = await asyncio.to_thread(rules.install, self.cfg, el)
+                else:
+                    await self._write(el, self._mechanism)
+                self._written = el
+            except (OSError, ValueError, RuntimeError) as exc:
+                self._written = None  # unknown now: the next attempt writes the whole table
+                log.error("nfqueue: generation %d not put in force: %s; the last one stays",
+                          generation, exc)
+                if self._health is not None and self.generation_in_force < 0:
+                    self._health.set_fault(self.FAULT, f"no rules in force: {exc}")
+                if self._wanted is None:
+                    self._wanted = wanted
+                await asyncio.sleep(1.0)
+                continue
+            live = {*((TCP, p.key) for p in plans.values()),
+                    *((UDP, p.key) for p in udp_plans.values())}
+            self._balancers = {k: b for k, b in self._balancers.items() if k in live}
+            marks = self._marks(plans, udp_plans)
+            self._table = Table(plans, served, udp_plans, marks)
+            self.generation_in_force = generation
+            self.synced.set()
+            if self._health is not None:
+                self._health.clear_fault(self.FAULT)
+            log.info("nfqueue rules in force (generation %d): %d ports on every address,"
+                     " %d address:port pairs, %d endpoints", generation,
+                     len(served.ports) + len(served.udp_ports),
+                     len(served.pairs) + len(served.udp_pairs),
+                     len({ep for fe in marks.values() for ep in fe}))
+            await self._clean_udp(udp_plans)
+
+    async def _write(self, el: rules.Elements, mechanism: rules.Mechanism) -> None:
+        """Make the table hold ``el``: the change since the last write, else the whole table.
+
+        The change is a few elements per endpoint that moved, where the whole
+        table is every service's; it is refused as a whole if the table is not
+        what kpx last wrote (someone deleted an element, or the table), and
+        the whole table then puts it right, as it does once per
+        ``FULL_SYNC_PERIOD`` anyway.
+        """
+        table = self.cfg.table
+        if time.monotonic() - self._whole_at >= FULL_SYNC_PERIOD:
+            self._written = None  # re-check: whatever was changed by hand goes
+        if self._written is not None:
+            delta = rules.update_script(table, self._written, el)
+            if not delta:
+                return
+            res = await spawn.run(["nft", "-f", "-"], delta)
+            if res.returncode == 0:
+                return
+            log.warning("nfqueue: table %s is not as kpx left it (%s); writing it whole",
+                        table, res.stderr.strip() or res.returncode)
+        script = await asyncio.to_thread(rules.nft_script, self.cfg, el, mechanism)
+        res = await spawn.run(["nft", "-f", "-"], script)
+        if res.returncode != 0:
+            raise RuntimeError(f"nft -f: {res.stderr.strip() or res.returncode}")
+        self._whole_at = time.monotonic()
+
+    def _marks(self, plans: Mapping[PlanKey, PortPlan], udp_plans: Mapping[PlanKey, PortPlan]
+               ) -> dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]]:
+        lay = self.cfg.layout
+        out: dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]] = {}
+        for num, name, table in ((TCP, "tcp", plans), (UDP, "udp", udp_plans)):
+            for key, plan in table.items():
+                out[(num, key)] = {ep: (lay.forward(i), lay.forward(i, True))
+                                   for ep, i in self._slots.index(frontend(plan, name)).items()}
+        return out
+
+    async def _clean_udp(self, udp_plans: Mapping[PlanKey, PortPlan]) -> None:
+        """Delete the UDP flows conntrack still pins to an endpoint no longer served.
+
+        After the table is in force, so a flow deleted here is decided again
+        by the new plans. A failure is logged and retried at the next change.
+        """
+        wanted = conntrack.serving(udp_plans)
+        if wanted == self._udp_serving:
+            return
+        local = self.local_addresses
+        try:
+            n = await asyncio.to_thread(conntrack.clean_stale_udp, udp_plans, local)
+        except OSError as exc:
+            log.error("nfqueue: stale UDP conntrack entries not deleted: %s", exc)
+            return
+        self._udp_serving = wanted
+        if n:
+            metrics.UDP_FLOWS_REPICKED.inc(n)
+            log.info("nfqueue: deleted %d UDP conntrack entr%s pinned to an endpoint no longer"
+                     " served; their next datagrams are decided again", n,
+                     "y" if n == 1 else "ies")
+
+    async def _bind(self) -> None:
+        """Bind the queue; a predecessor may hold it for a moment (a restart): retry."""
+        deadline = time.monotonic() + self._bind_timeout
+        while True:
+            try:
+                self._sock = netlink.QueueSocket(self.cfg.queue, fail_open=self.cfg.bypass)
+                break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                self._warn.warning(("bind",), "nfqueue %d: %s; retrying (a kpx being replaced"
+                                   " still holds it?)", self.cfg.queue, exc)
+                await asyncio.sleep(BIND_RETRY)
+        self.loop.add_reader(self._sock.fileno(), self._on_queue)
+        log.info("nfqueue %d bound (%s)", self.cfg.queue,
+                 "fail-open: --queue-bypass" if self.cfg.bypass else "fail-closed")
+
+    # -- the hot path: one batch of SYNs ------------------------------------------------
+
+    def _on_queue(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        packets = sock.read_batch()
+        if not packets:
+            return
+        table = self._table
+        plans, udp_plans, marks = table.plans, table.udp_plans, table.marks
+        lay = self.cfg.layout
+        keep = ~lay.mask & 0xFFFFFFFF  # the packet's own bits, kept by every verdict
+        local, cidrs = self.local_addresses, self.cluster_cidrs
+        now = time.monotonic()
+        verdicts: list[netlink.Verdict] = []
+        counts = self.decided
+        per_port = self._counts
+        for p in packets:
+            try:
+                f = netlink.flow(p.payload)
+            except ValueError:
+                verdicts.append(netlink.drop(p.packet_id))
+                counts["unknown"] += 1
+                continue
+            table_for = plans if f.proto == TCP else udp_plans if f.proto == UDP else None
+            plan = (None if table_for is None
+                    else table_for.get((f.dst, f.dport)) or table_for.get(f.dport))
+            if plan is None:
+                # The table changed between the queueing and now: as if not served.
+                verdicts.append(netlink.accept(p.packet_id, lay.verdict_mark(p.mark, lay.reject)))
+                counts["unknown"] += 1
+                continue
+            bkey = (f.proto, plan.key)
+            balancer = self._balancers.get(bkey)
+            if balancer is None:
+                balancer = self._balancers[bkey] = Balancer()
+            udp = f.proto == UDP
+            d = decide(plan, f.src, local, balancer, now, (), cidrs)
+            if type(d) is Forward:
+                both = marks.get((f.proto, plan.table_key), _NONE).get(d.endpoint.addr)
+                if both is not None:
+                    mark = both[1] if d.snat else both[0]
+                    verdicts.append(netlink.Verdict(p.packet_id, netlink.NF_ACCEPT,
+                                                    (p.mark & keep) | mark))
+                    counts["forward"] += 1
+                    k = (_UDP, "forward") if udp else (plan.key, "snat" if d.snat else "direct")
+                    per_port[k] = per_port.get(k, 0) + 1
+                    continue
+                d = Drop(f"{d.endpoint} has no target index yet")
+            if isinstance(d, Drop):
+                verdicts.append(netlink.drop(p.packet_id))
+                counts["drop"] += 1
+                k = (_UDP if udp else plan.key, "drop")
+            else:
+                verdicts.append(netlink.accept(p.packet_id, lay.verdict_mark(p.mark, lay.reject)))
+                counts["reject"] += 1
+                k = (_UDP if udp else plan.key, "reject")
+            per_port[k] = per_port.get(k, 0) + 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s:%d -> %s:%d: %s", f.src, f.sport, f.dst, f.dport, d.reason)
+        sock.send_verdicts(verdicts)
+        if self._flush_timer is None:
+            self._flush_timer = self.loop.call_later(METRICS_FLUSH_INTERVAL, self.flush_metrics)
+
+    def flush_metrics(self) -> None:
+        """Add the counts since the last flush to Prometheus (a timer does it every second).
+
+        Not per batch: the SYNs of a busy node mostly come one per wake-up, and
+        two labelled ``inc`` calls cost more than deciding the SYN did.
+        """
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        counts, self._counts = self._counts, {}
+        _count(counts)
+
+    # -- stopping -------------------------------------------------------------------------
+
+    async def stop_accepting(self) -> None:
+        """Give the queue back, so a successor can bind it; established flows are conntrack's."""
+        self._accepting = False
+        self.flush_metrics()
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+
+    async def drain(self, grace: float) -> int:
+        return 0  # nothing to drain here: the kernel forwards every established flow
+
+    def close(self) -> None:
+        """Stop, and remove the rules when no other kpx is left in the namespace."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush_metrics()
+        if self._task is not None:
+            self._task.cancel()
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        if live_pids() - {os.getpid()}:
+            log.info("nfqueue: another kpx is present; its rules stay")
+            return
+        try:
+            removed = rules.remove(self.cfg)
+        except (OSError, RuntimeError) as exc:
+            log.error("nfqueue: could not remove the rules: %s", exc)
+            return
+        log.info("nfqueue: rules removed (%d iptables rule(s))", removed)

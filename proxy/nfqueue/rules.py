@@ -1,0 +1,631 @@
+"""The netfilter side of ``--proxy-mode nfqueue``: which SYNs are queued, what a mark does.
+
+Owns: in the namespace kpx runs in, the nft table ``ip kpx_nfq`` and, on a
+kernel without nft's ``queue`` expression, two iptables rules (mangle
+PREROUTING and OUTPUT, comment ``kpx-nfqueue``). Pure functions render
+them (``nft_script``, ``iptables_rules``) and say what a mark means
+(``MarkLayout``); ``install``, ``remove`` and ``nft_queue_supported`` run
+``nft``/``iptables`` with ``subprocess`` (blocking: start and exit only).
+
+Never: touch another namespace, or a rule or table that is not kpx's (the
+table is kpx's by name; an iptables rule by its comment); decide anything
+(the caller answers each queued SYN: ``proxy.nfqueue.netlink``).
+
+How a connection goes (xt path; the nft path queues from the marking rule
+itself and has no iptables rule):
+
+1. prerouting (output, for the node's own clients), priority mangle - 1:
+   ``mark_*`` sets the ``queued`` bit on a SYN (``tcp flags & (fin | syn |
+   rst | ack) == syn``) to a served port: ``tcp dport @ports`` on any local
+   address (NodePorts), or ``ip daddr . tcp dport @pairs`` (a port on one
+   address); and on a UDP datagram that starts a flow (``ct state new``)
+   to ``@udp_ports`` or ``@udp_pairs``. Every other packet costs one or two
+   compares;
+2. priority mangle: the iptables rule ``-m mark --mark Q/Q -j NFQUEUE``
+   queues it; Python answers NF_DROP, or NF_ACCEPT with a mark;
+3. priority mangle + 1: ``reject_*`` answers the REJECT mark with a TCP
+   reset (the client sees ECONNREFUSED at once), or for UDP with ICMP port
+   unreachable;
+4. priority dstnat: ``dnat_*`` DNATs to ``vip_targets[mark & target, daddr,
+   protocol, dport]``, or failing that ``np_targets[mark & target, protocol,
+   dport]``: the mark carries an endpoint's slot within its frontend;
+5. postrouting, srcnat: ``snat_postrouting`` masquerades when the mark
+   has the masquerade bit.
+
+Conntrack then carries every later packet of the connection, in the kernel,
+through the NAT that step 4 (and 5) bound: nothing else is queued. A SYN
+retransmitted after its connection was DNATed is not queued again
+(``ct status dnat``); one whose first copy was dropped is (its conntrack
+entry was never confirmed), and gets a fresh decision. A UDP flow is
+pinned the same way until conntrack forgets it (``nf_conntrack_udp_timeout``
+and ``_stream``), or until kpx deletes its entry because the endpoint went
+(``proxy.nfqueue.conntrack.stale_udp``).
+
+Why a set and one constant rule, not a rule per port (``-m multiport
+--dports``, 15 ports a rule): nft looks a SYN up in a hash set once however
+many ports are served, and a sync changes set elements in one atomic
+transaction; iptables rules are walked one by one for *every* packet that
+reaches the chain (3,000 NodePorts: 200 rules), and each change rewrites
+the chain. The iptables rule exists only because this kernel lacks nft's
+``queue`` (``CONFIG_NFT_QUEUE``): ``-j NFQUEUE`` reaches the kernel as an xt
+target through ``nft_compat``. So it matches one mark bit and never changes
+as ports come and go. (``nft list`` shows that rule as ``queue num N``,
+translated back by libxtables: it is still the xt target.)
+
+Fail-closed by default: with no socket bound to the queue (kpx is dead or
+restarting), the kernel drops the queued SYNs and clients retransmit, as a
+full queue does. ``QueueConfig.bypass`` (``--queue-bypass``, nft ``bypass``)
+accepts them instead, but an accepted SYN without a verdict's mark is not
+DNATed: it is delivered to the node itself, where nothing listens on a
+NodePort (a reset) or, worse, something else on that port answers. A SYN
+dropped now is a connection made a second later; a SYN let through is a
+refused or misrouted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import socket
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+log = logging.getLogger(__name__)
+
+NFT_TABLE = "kpx_nfq"
+DEFAULT_QUEUE = 7078
+"""kpx's number (as ``proxy.userspace.transparent.DEFAULT_TABLE``); 0-65535."""
+COMMENT = "kpx-nfqueue"
+"""What makes an iptables rule kpx's: ``remove`` deletes exactly the rules carrying it."""
+
+Mechanism = Literal["nft", "xt"]
+"""How served SYNs reach the queue: nft's ``queue`` expression, or iptables' xt ``NFQUEUE``."""
+
+_TIMEOUT = 10.0
+_MAX_DELETES = 16
+"""``iptables -D`` attempts per rule at removal: more copies than this is not kpx's doing."""
+
+_KUBE_PROXY_BITS = 0xC000
+"""kube-proxy's masquerade (0x4000) and drop (0x8000) marks."""
+_USERSPACE_BIT = 0x2000
+"""kpx's userspace mode's return-path bit (``proxy.userspace.transparent.DEFAULT_MARK``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MarkLayout:
+    """The bits of the packet mark that mode nfqueue uses; ``mask`` is all of them.
+
+    Default (``mask`` 0xffff1000)::
+
+        0x0000_1000  queued      set on a served SYN before queueing; kept by
+                                 every verdict, so each rule below acts only on
+                                 a packet kpx decided (never on someone else's
+                                 bits that happen to look like a target)
+        0x7fff_0000  target      an endpoint's slot within its frontend, the
+                                 DNAT maps' key with it (1-32766 endpoints
+                                 per service port), or all ones: REJECT
+        0x8000_0000  masquerade  SNAT to the outgoing interface's address
+
+    Outside: kube-proxy's 0x4000/0x8000, the userspace mode's 0x2000,
+    Cilium's 0x0f00 and Istio's 0x539. The mark only lives on the SYN
+    while it crosses the node (the verdict sets it, conntrack keeps the NAT,
+    a veth to a pod clears it), so the high half, which Calico (0xffff0000
+    by default), kube-router and Tailscale also use, is shared only with
+    what looks at that one packet; on such a node move ``target`` and
+    ``masquerade`` elsewhere. The kernel's verdict *replaces* the mark, so
+    ``verdict_mark`` keeps every bit outside ``mask`` as the packet had it.
+    """
+
+    queued: int = 0x0000_1000
+    target: int = 0x7FFF_0000
+    masquerade: int = 0x8000_0000
+
+    def __post_init__(self) -> None:
+        bits = (self.queued, self.target, self.masquerade)
+        if any(b <= 0 or b > 0xFFFFFFFF for b in bits):
+            raise ValueError("mark bits must be non-zero 32-bit values")
+        if (self.queued & self.target or self.queued & self.masquerade
+                or self.target & self.masquerade):
+            raise ValueError("mark layout: queued, target and masquerade overlap")
+        if self.queued & (self.queued - 1) or self.masquerade & (self.masquerade - 1):
+            raise ValueError("mark layout: queued and masquerade must be one bit each")
+        low = self.target & -self.target
+        if (self.target + low) & self.target:
+            raise ValueError(f"mark layout: target {self.target:#x} is not contiguous")
+        if self.target >> self.shift < 3:
+            raise ValueError(f"mark layout: target {self.target:#x} holds no index")
+        if self.mask & (_KUBE_PROXY_BITS | _USERSPACE_BIT):
+            raise ValueError(f"mark layout {self.mask:#x} takes kube-proxy's 0xc000 or kpx"
+                             f" userspace's 0x2000")
+
+    @property
+    def mask(self) -> int:
+        return self.queued | self.target | self.masquerade
+
+    @property
+    def shift(self) -> int:
+        return (self.target & -self.target).bit_length() - 1
+
+    @property
+    def max_index(self) -> int:
+        """The highest target index (all ones is REJECT; 0 is no target)."""
+        return (self.target >> self.shift) - 1
+
+    @property
+    def reject(self) -> int:
+        """The mark of a REJECT verdict."""
+        return self.target | self.queued
+
+    def key(self, index: int) -> int:
+        """Target ``index`` as the ``targets`` map's key: the mark's target bits."""
+        if not 1 <= index <= self.max_index:
+            raise ValueError(f"target index {index}: 1-{self.max_index}")
+        return index << self.shift
+
+    def forward(self, index: int, masquerade: bool = False) -> int:
+        """The mark of a FORWARD verdict to target ``index`` (with SNAT if ``masquerade``)."""
+        return self.key(index) | self.queued | (self.masquerade if masquerade else 0)
+
+    def verdict_mark(self, packet_mark: int, decided: int) -> int:
+        """The whole mark to send: the packet's own bits outside ``mask``, then ours."""
+        return (packet_mark & ~self.mask & 0xFFFFFFFF) | decided
+
+
+Endpoint = tuple[str, int]
+Frontend = tuple[str | None, str, int]
+"""Where a service port is reached: (VIP, or None for a NodePort on any served address;
+``"tcp"`` or ``"udp"``; port). The DNAT maps are keyed by slot and frontend."""
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What the table serves (plain data; the caller's sync builds it).
+
+    ``ports``: TCP ports queued on every local address (NodePorts).
+    ``pairs``: ``(address, port)`` queued on that address only (a VIP, an
+    externalIP, ``--nodeport-addresses``). ``udp_ports`` and ``udp_pairs``:
+    the same for UDP, whose first datagram of a new flow is queued.
+    ``targets``: frontend -> slot -> endpoint ``(ip, port)``: a FORWARD mark
+    carries the slot, the packet names the frontend (its destination address
+    for a VIP, its protocol and port), and the pair is the DNAT maps' key.
+    A slot the caller retires must stay in the map until no packet can still
+    carry it (the next sync after its last verdict): a missing key means no
+    DNAT.
+    """
+
+    ports: frozenset[int] = frozenset()
+    pairs: frozenset[Endpoint] = frozenset()
+    targets: Mapping[Frontend, Mapping[int, Endpoint]] = field(default_factory=dict)
+    vips: frozenset[str] = frozenset()
+    """Service VIPs: a SYN to one of them at a port not in ``pairs`` (undeclared, or no
+    endpoint) is answered with a reset, and a new UDP flow not in ``udp_pairs`` with
+    ICMP port unreachable, as nftables mode rejects "traffic to invalid ports on active
+    cluster IPs"; without this it would be routed on, the VIP not being a local address
+    in this mode."""
+    udp_ports: frozenset[int] = frozenset()
+    udp_pairs: frozenset[Endpoint] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """Where served SYNs go and how: queue number, fail-open or not, marks, names."""
+
+    queue: int = DEFAULT_QUEUE
+    bypass: bool = False
+    """Fail-open (``--queue-bypass``): with no socket on the queue, accept instead of drop."""
+    layout: MarkLayout = field(default_factory=MarkLayout)
+    table: str = NFT_TABLE
+    comment: str = COMMENT
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.queue <= 0xFFFF:
+            raise ValueError(f"queue number {self.queue}: 0-65535")
+
+
+# -- rendering (pure) ---------------------------------------------------------------------
+
+def _port(p: int) -> str:
+    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 0xFFFF:
+        raise ValueError(f"port {p!r}: 1-65535")
+    return str(p)
+
+
+def _ipv4(a: str) -> str:
+    try:
+        return socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, a))
+    except (OSError, TypeError):
+        raise ValueError(f"{a!r}: not an IPv4 address") from None
+
+
+def _elements(items: Iterable[str]) -> str:
+    body = ", ".join(items)
+    return f" elements = {{ {body} }};" if body else ""
+
+
+def queue_statement(cfg: QueueConfig) -> str:
+    """nft's own ``queue`` statement for ``cfg`` (the nft path)."""
+    return f"queue num {cfg.queue}{' bypass' if cfg.bypass else ''}"
+
+
+SETS = ("ports", "pairs", "udp_ports", "udp_pairs", "vips")
+MAPS = ("np_targets", "vip_targets")
+
+
+class Elements(NamedTuple):
+    """``served`` as nft writes it: each set's elements, each map's key -> value (text)."""
+
+    sets: dict[str, frozenset[str]]
+    maps: dict[str, dict[str, str]]
+
+
+def elements(served: Served, layout: MarkLayout) -> Elements:
+    """Render ``served``'s elements (pure); ValueError for a bad port, address, slot or protocol.
+
+    The same text makes the whole table (``nft_script``) and the changes
+    between two of them (``update_script``), so a delta is the difference of
+    what two full tables would hold, element for element.
+    """
+    def pair(a: str, p: int) -> str:
+        return f"{_ipv4(a)} . {_port(p)}"
+
+    sets = {
+        "ports": frozenset(_port(p) for p in served.ports),
+        "pairs": frozenset(pair(a, p) for a, p in served.pairs),
+        "udp_ports": frozenset(_port(p) for p in served.udp_ports),
+        "udp_pairs": frozenset(pair(a, p) for a, p in served.udp_pairs),
+        "vips": frozenset(_ipv4(a) for a in served.vips),
+    }
+    maps: dict[str, dict[str, str]] = {"np_targets": {}, "vip_targets": {}}
+    for (vip, proto, port), slots in served.targets.items():
+        if proto not in ("tcp", "udp"):
+            raise ValueError(f"frontend protocol {proto!r}: tcp or udp")
+        front = (f"{proto} . {_port(port)}" if vip is None
+                 else f"{_ipv4(vip)} . {proto} . {_port(port)}")
+        into = maps["np_targets" if vip is None else "vip_targets"]
+        for i, (a, p) in slots.items():
+            into[f"{layout.key(i):#010x} . {front}"] = pair(a, p)
+    return Elements(sets, maps)
+
+
+def update_script(table: str, old: Elements, new: Elements) -> str:
+    """The one transaction that turns table ``table`` from ``old`` into ``new``; "" if equal.
+
+    Deletions first: a map key whose endpoint changed is deleted and added
+    again. Atomic like the full script, and as long as the change rather
+    than the table: at 30,000 services a changed endpoint is a few elements
+    where the whole table is hundreds of thousands. It fails as a whole
+    (nothing changes) if the table is not what ``old`` says, e.g. an element
+    to delete is missing; the caller then writes the whole table.
+    """
+    dels: list[str] = []
+    adds: list[str] = []
+    for name in SETS:
+        gone, came = old.sets[name] - new.sets[name], new.sets[name] - old.sets[name]
+        if gone:
+            dels.append(f"delete element ip {table} {name} {{ {', '.join(sorted(gone))} }}\n")
+        if came:
+            adds.append(f"add element ip {table} {name} {{ {', '.join(sorted(came))} }}\n")
+    for name in MAPS:
+        o, n = old.maps[name], new.maps[name]
+        gone = sorted(k for k, v in o.items() if n.get(k) != v)
+        came = sorted(k for k, v in n.items() if o.get(k) != v)
+        if gone:
+            dels.append(f"delete element ip {table} {name} {{ {', '.join(gone)} }}\n")
+        if came:
+            body = ", ".join(f"{k} : {n[k]}" for k in came)
+            adds.append(f"add element ip {table} {name} {{ {body} }}\n")
+    return "".join(dels + adds)
+
+
+def nft_script(cfg: QueueConfig, served: Served | Elements,
+               mechanism: Mechanism = "xt") -> str:
+    """The nft transaction that makes table ``cfg.table`` exactly this, atomically.
+
+    Declaring then deleting the table first makes a leftover (a killed kpx,
+    an older set) vanish in the same transaction that writes the new one:
+    no moment without rules, and never two copies. ValueError for a bad
+    port, address or slot, before anything runs.
+    """
+    lay = cfg.layout
+    el = served if isinstance(served, Elements) else elements(served, lay)
+    ports, pairs, udp_ports, udp_pairs, vips = (_elements(sorted(el.sets[n])) for n in SETS)
+    np_targets, vip_targets = (_elements(f"{k} : {v}" for k, v in sorted(el.maps[n].items()))
+                               for n in MAPS)
+    q = lay.queued
+    then = f" {queue_statement(cfg)}" if mechanism == "nft" else " return"
+    mark = f"meta mark set meta mark | {q:#x}"
+
+    def marking(hook: str) -> str:
+        # Most packets leave at the first or second line: a TCP segment that
+        # is not a bare SYN, a datagram of a flow conntrack already knows.
+        stay = then if mechanism == "nft" else ""
+        return (
+            f"  chain mark_{hook} {{\n"
+            f"    type filter hook {hook} priority mangle - 1; policy accept;\n"
+            f"    tcp flags & (fin | syn | rst | ack) != syn return\n"
+            f"    meta l4proto udp ct state != new return\n"
+            f"    meta mark & {q:#x} == {q:#x} meta mark set meta mark & {~q & 0xFFFFFFFF:#x}\n"
+            f"    ct status dnat return\n"
+            f"    tcp dport @ports fib daddr type local {mark}{then}\n"
+            f"    ip daddr . tcp dport @pairs {mark}{stay}\n"
+            f"    udp dport @udp_ports fib daddr type local {mark}{then}\n"
+            f"    ip daddr . udp dport @udp_pairs {mark}{stay}\n"
+            f"    meta mark & {q:#x} != {q:#x} ip daddr @vips meta l4proto tcp"
+            f" reject with tcp reset\n"
+            f"    meta mark & {q:#x} != {q:#x} ip daddr @vips meta l4proto udp"
+            f" reject with icmp type port-unreachable\n"
+            f"  }}\n"
+        )
+
+    def reject(hook: str) -> str:
+        return (
+            f"  chain reject_{hook} {{\n"
+            f"    type filter hook {hook} priority mangle + 1; policy accept;\n"
+            f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto tcp"
+            f" reject with tcp reset\n"
+            f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto udp"
+            f" reject with icmp type port-unreachable\n"
+            f"  }}\n"
+        )
+
+    def dnat(hook: str) -> str:
+        # nft 1.0.6 takes the name ``dstnat`` in prerouting only: -100 is the same.
+        return (
+            f"  chain dnat_{hook} {{\n"
+            f"    type nat hook {hook} priority -100; policy accept;\n"
+            f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
+            f" dnat ip to meta mark & {lay.target:#x} . ip daddr . meta l4proto . th dport"
+            f" map @vip_targets\n"
+            f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
+            f" dnat ip to meta mark & {lay.target:#x} . meta l4proto . th dport"
+            f" map @np_targets\n"
+            f"  }}\n"
+        )
+
+    masq = lay.masquerade | q
+    return (
+        f"table ip {cfg.table}\n"
+        f"delete table ip {cfg.table}\n"
+        f"table ip {cfg.table} {{\n"
+        f"  set ports {{ type inet_service;{ports} }}\n"
+        f"  set pairs {{ type ipv4_addr . inet_service;{pairs} }}\n"
+        f"  set udp_ports {{ type inet_service;{udp_ports} }}\n"
+        f"  set udp_pairs {{ type ipv4_addr . inet_service;{udp_pairs} }}\n"
+        f"  set vips {{ type ipv4_addr;{vips} }}\n"
+        f"  map np_targets {{ type mark . inet_proto . inet_service :"
+        f" ipv4_addr . inet_service;{np_targets} }}\n"
+        f"  map vip_targets {{ type mark . ipv4_addr . inet_proto . inet_service :"
+        f" ipv4_addr . inet_service;{vip_targets} }}\n"
+        + marking("prerouting") + marking("output")
+        + reject("prerouting") + reject("output")
+        + dnat("prerouting") + dnat("output")
+        + f"  chain snat_postrouting {{\n"
+        f"    type nat hook postrouting priority 100; policy accept;\n"
+        f"    meta mark & {masq:#x} == {masq:#x} masquerade\n"
+        f"  }}\n"
+        f"}}\n"
+    )
+
+
+def remove_script(table: str = NFT_TABLE) -> str:
+    """Delete the table if it is there: declaring it first makes the delete never fail."""
+    return f"table ip {table}\ndelete table ip {table}\n"
+
+
+def probe_script(queue: int) -> str:
+    """A scratch table with one ``queue`` rule, for ``nft -c``: the kernel checks, nothing stays."""
+    return (f"table ip kpx_nfq_probe {{\n  chain probe {{\n    queue num {queue}\n  }}\n}}\n"
+            f"delete table ip kpx_nfq_probe\n")
+
+
+def iptables_rules(cfg: QueueConfig) -> list[list[str]]:
+    """The xt rules (mangle table), each as ``iptables-save`` prints it after ``-A``.
+
+    One per hook, whatever is served: they match the ``queued`` bit only.
+    Appended (``-A``), not inserted: a queued SYN skips the rest of the
+    chain it was queued from, so kpx's rule comes after everyone else's.
+    """
+    q = cfg.layout.queued
+    tail = ["-m", "mark", "--mark", f"{q:#x}/{q:#x}", "-m", "comment", "--comment", cfg.comment,
+            "-j", "NFQUEUE", "--queue-num", str(cfg.queue)]
+    if cfg.bypass:
+        tail.append("--queue-bypass")
+    return [[chain, *tail] for chain in ("PREROUTING", "OUTPUT")]
+
+
+def iptables_argv(op: str, rule: list[str]) -> list[str]:
+    """``iptables -t mangle <op> <rule>``; ``op`` is ``-A``, ``-C`` or ``-D``."""
+    return ["iptables", "-w", "5", "-t", "mangle", op, *rule]
+
+
+def kpx_rules(save: str, comment: str = COMMENT) -> list[list[str]]:
+    """kpx's rules in ``iptables-save -t mangle`` output, as ``[chain, *args]`` lists."""
+    out: list[list[str]] = []
+    for line in save.splitlines():
+        if not line.startswith("-A "):
+            continue
+        argv = shlex.split(line)
+        for i in range(len(argv) - 1):
+            if argv[i] == "--comment" and argv[i + 1] == comment:
+                out.append(argv[1:])
+                break
+    return out
+
+
+# -- applying (subprocess, blocking) ---------------------------------------------------
+
+def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True,
+                          timeout=_TIMEOUT, check=False)
+
+
+def _nft(script: str, what: str) -> None:
+    res = _run(["nft", "-f", "-"], script)
+    if res.returncode != 0:
+        raise RuntimeError(f"nft -f ({what}): {res.stderr.strip() or res.returncode}")
+
+
+def nft_queue_supported(queue: int = DEFAULT_QUEUE) -> bool:
+    """Does this kernel have nft's ``queue`` expression? Asked with ``nft -c``: nothing is added.
+
+    The kernel itself validates a checked transaction, so a missing
+    ``nft_queue`` answers ENOENT ("No such file or directory") here too.
+    RuntimeError for any other failure (no nft, no CAP_NET_ADMIN).
+    """
+    res = _run(["nft", "-c", "-f", "-"], probe_script(queue))
+    if res.returncode == 0:
+        return True
+    if "No such file or directory" in res.stderr:
+        return False
+    raise RuntimeError(f"nft -c (queue probe): {res.stderr.strip() or res.returncode}")
+
+
+def _saved() -> str | None:
+    """``iptables-save -t mangle`` now; None if there is no ``iptables`` to ask."""
+    try:
+        res = _run(["iptables-save", "-t", "mangle"])
+    except FileNotFoundError:
+        return None
+    if res.returncode != 0:
+        raise RuntimeError(f"iptables-save: {res.stderr.strip() or res.returncode}")
+    return res.stdout
+
+
+def _ensure_xt(cfg: QueueConfig) -> int:
+    """Exactly one copy of each wanted rule, and no other kpx rule; returns rules added.
+
+    Wanted rules go in first: while an old configuration's rule (another
+    queue number) is still ahead of ours, its SYNs are dropped, not let
+    through. ``iptables_rules`` renders as ``iptables-save`` prints, so a
+    rule is recognised by its text; should some version print it otherwise,
+    the last ``-C`` puts back a rule deleted for looking foreign.
+    """
+    wanted = iptables_rules(cfg)
+    added = _append_missing(wanted)
+    keep = {tuple(r): 1 for r in wanted}
+    stale = 0
+    for rule in _kpx_saved(cfg.comment) or []:
+        if keep.get(tuple(rule), 0) > 0:
+            keep[tuple(rule)] -= 1
+            continue
+        stale += _run(iptables_argv("-D", rule)).returncode == 0
+    if stale:
+        log.info("nfqueue: removed %d iptables rule(s) of an earlier kpx", stale)
+        added += _append_missing(wanted)
+    return added
+
+
+def _append_missing(rules: list[list[str]]) -> int:
+    added = 0
+    for rule in rules:
+        if _run(iptables_argv("-C", rule)).returncode == 0:
+            continue
+        res = _run(iptables_argv("-A", rule))
+        if res.returncode != 0:
+            raise RuntimeError(f"iptables -A {' '.join(rule)}: {res.stderr.strip()}")
+        added += 1
+    return added
+
+
+def _kpx_saved(comment: str) -> list[list[str]] | None:
+    save = _saved()
+    return None if save is None else kpx_rules(save, comment)
+
+
+def install(cfg: QueueConfig, served: Served | Elements,
+            mechanism: Mechanism | None = None) -> Mechanism:
+    """Make the namespace queue ``served`` SYNs and act on verdicts; idempotent.
+
+    ``mechanism`` None: probe the kernel (``nft_queue_supported``) and log
+    the choice. The table goes first (it only marks; nothing is queued
+    without the iptables rule), then the rule. The nft path also removes
+    a previous run's iptables rules. Bind the queue socket before this.
+    Returns the mechanism used.
+    """
+    if mechanism is None:
+        mechanism = "nft" if nft_queue_supported(cfg.queue) else "xt"
+        if mechanism == "nft":
+            log.info("nfqueue: queueing SYNs with nft's queue expression (queue %d)", cfg.queue)
+        else:
+            log.info("nfqueue: this kernel has no nft queue expression (CONFIG_NFT_QUEUE);"
+                     " queueing SYNs with iptables -j NFQUEUE (queue %d)", cfg.queue)
+    script = nft_script(cfg, served, mechanism)  # ValueError: nothing has changed yet
+    _nft(script, f"table ip {cfg.table}")
+    if mechanism == "xt":
+        _ensure_xt(cfg)
+    else:
+        _remove_xt(cfg)
+    return mechanism
+
+
+def sync(cfg: QueueConfig, served: Served | Elements, mechanism: Mechanism) -> None:
+    """Replace the table with one serving ``served``, atomically (the rules stay as they are)."""
+    _nft(nft_script(cfg, served, mechanism), f"table ip {cfg.table}")
+
+
+def _remove_xt(cfg: QueueConfig) -> int:
+    removed = 0
+    if _kpx_saved(cfg.comment) is None:
+        return 0
+    for rule in iptables_rules(cfg):
+        for _ in range(_MAX_DELETES):
+            if _run(iptables_argv("-D", rule)).returncode != 0:
+                break
+            removed += 1
+    for rule in _kpx_saved(cfg.comment) or []:  # another configuration's, left by a crash
+        for _ in range(_MAX_DELETES):
+            if _run(iptables_argv("-D", rule)).returncode != 0:
+                break
+            removed += 1
+    left = _kpx_saved(cfg.comment)
+    if left:
+        raise RuntimeError(f"iptables rules still present after removing them: {left}")
+    return removed
+
+
+def remove(cfg: QueueConfig) -> int:
+    """Delete every kpx rule: the iptables rules first (nothing is queued), then the table.
+
+    Idempotent; without an ``iptables`` binary only the table is removed.
+    Returns the iptables rules deleted. The ``ip mangle`` table that
+    ``iptables-nft`` made for kpx's rules goes too, but only while it is
+    empty (``mangle_is_empty``): with anyone's rule in it, it stays.
+    """
+    removed = _remove_xt(cfg)
+    _nft(remove_script(cfg.table), f"delete table ip {cfg.table}")
+    _remove_empty_mangle()
+    return removed
+
+
+def mangle_is_empty(listing: str) -> bool:
+    """Whether ``nft -j list table ip mangle`` shows nothing but accept-policy chains (pure).
+
+    Such a table is what ``iptables-nft`` leaves after its last rule is
+    deleted; removing it changes no packet's fate. A rule, a set, a drop
+    policy, anything else: not empty.
+    """
+    try:
+        items = json.loads(listing)["nftables"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    for item in items:
+        if not isinstance(item, dict):
+            return False
+        kind = next(iter(item), "")
+        if kind in ("metainfo", "table"):
+            continue
+        if kind != "chain" or item["chain"].get("policy", "accept") != "accept":
+            return False
+    return True
+
+
+def _remove_empty_mangle() -> None:
+    try:
+        res = _run(["nft", "-j", "list", "table", "ip", "mangle"])
+    except FileNotFoundError:
+        return
+    if res.returncode == 0 and mangle_is_empty(res.stdout):
+        _run(["nft", "delete", "table", "ip", "mangle"])

@@ -1,0 +1,497 @@
+"""Mode nfqueue end to end (issue 15): SYNs decided in Python, connections carried by conntrack.
+
+The topology is ``tests.support.netns.Topology``: client -- node -- {pod1,
+pod2}, each its own namespace, removed pass or fail. The node binds an
+NFQUEUE socket and installs kpx's rules (``proxy.nfqueue.rules``) from a
+thread that joined its namespace; a decision thread in the test answers each
+queued SYN by its destination port (``POLICY``), bounded in time. Clients
+dial the node's address from the client namespace, so their SYNs cross the
+node's prerouting as NodePort traffic does. Nothing touches the initial
+namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import select
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proxy.nfqueue import netlink, rules
+from proxy.nfqueue.netlink import Flow, QueueSocket, Verdict
+from proxy.nfqueue.rules import MarkLayout, QueueConfig, Served
+from tests.support import backends
+from tests.support.netns import (
+    Topology,
+    connect_in,
+    in_fresh_netns,
+    in_netns,
+    sh,
+    socket_in,
+    topology,
+)
+
+pytestmark = pytest.mark.lab
+
+NODE_IP = Topology.NODE_IP
+CLIENT_IP = Topology.CLIENT_IP
+POD1_IP = Topology.POD1_IP
+BACKEND_PORT = 8080
+FORWARD, FORWARD_SNAT, DROP, REJECT, TO_NODE = 30080, 30081, 30082, 30083, 30084
+NODE_PORT = 8081
+"""An endpoint on the node itself (a hostNetwork pod)."""
+QUEUE = 77
+CFG = QueueConfig(queue=QUEUE)
+POD1, ON_NODE = 1, 2
+"""Target indexes: pod1's echo server, and a listener on the node."""
+SERVED = Served(ports=frozenset({FORWARD, FORWARD_SNAT, DROP, REJECT, TO_NODE}),
+                targets={(None, "tcp", FORWARD): {POD1: (POD1_IP, BACKEND_PORT)},
+                         (None, "tcp", FORWARD_SNAT): {POD1: (POD1_IP, BACKEND_PORT)},
+                         (None, "tcp", TO_NODE): {ON_NODE: (NODE_IP, NODE_PORT)}})
+"""NodePort frontends only: the VIP map misses for every SYN here, so each DNAT is the
+NodePort map's (the rule after a missed lookup runs)."""
+
+
+def policy(flow: Flow, layout: MarkLayout) -> int | None:
+    """The test's decision: a mark to accept with, or None to drop."""
+    return {
+        FORWARD: layout.forward(POD1),
+        FORWARD_SNAT: layout.forward(POD1, masquerade=True),
+        REJECT: layout.reject,
+        TO_NODE: layout.forward(ON_NODE),
+    }.get(flow.dport)
+
+
+@dataclass
+class Decider:
+    """A bounded decision loop on one queue socket, in a thread."""
+
+    queue: QueueSocket
+    layout: MarkLayout = field(default_factory=MarkLayout)
+    decide: Callable[[Flow, MarkLayout], int | None] = policy
+    limit: float = 60.0
+    seen: list[Flow] = field(default_factory=list)
+    batches: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.limit
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                if not select.select([self.queue], [], [], 0.05)[0]:
+                    continue
+                verdicts: list[Verdict] = []
+                for pkt in self.queue.read_batch():
+                    f = netlink.flow(pkt.payload)
+                    self.seen.append(f)
+                    mark = self.decide(f, self.layout)
+                    verdicts.append(netlink.drop(pkt.packet_id) if mark is None else
+                                    netlink.accept(pkt.packet_id,
+                                                   self.layout.verdict_mark(pkt.mark, mark)))
+                self.queue.send_verdicts(verdicts)
+                self.batches += 1
+        except BaseException as exc:  # surfaced by the fixture
+            self.error = exc
+
+
+@dataclass
+class Node:
+    topo: Topology
+    decider: Decider
+    echo: backends.Server
+
+    def dial(self, port: int, timeout: float = 2.0, ns: str | None = None) -> socket.socket:
+        return connect_in(ns or self.topo.client, (NODE_IP, port), timeout)
+
+    def node_sh(self, *argv: str) -> str:
+        return sh("ip", "netns", "exec", self.topo.node, *argv).stdout
+
+
+def _ask(s: socket.socket, line: str) -> str:
+    s.sendall(line.encode() + b"\n")
+    out = b""
+    deadline = time.monotonic() + 5
+    while not out.endswith(b"\n") and time.monotonic() < deadline:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        out += chunk
+    return out.decode().strip()
+
+
+@contextlib.contextmanager
+def nfqueue_node(cfg: QueueConfig = CFG, served: Served = SERVED,
+                 **decider: Any) -> Iterator[Node]:
+    """The topology with the queue bound and kpx's rules in the node, a decider answering."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    with topology() as topo:
+        echo = in_netns(topo.pod1, backends.start, POD1_IP, BACKEND_PORT, "pod1")
+        q = in_netns(topo.node, QueueSocket, cfg.queue)
+        d = Decider(q, cfg.layout, **decider)
+        t = threading.Thread(target=d.run, daemon=True)
+        try:
+            t.start()
+            assert in_netns(topo.node, rules.install, cfg, served, "xt") == "xt"
+            yield Node(topo, d, echo)
+        finally:
+            d.stop.set()
+            t.join(5)
+            q.close()
+            echo.stop()
+        assert d.error is None, d.error
+
+
+# -- the three verdicts ---------------------------------------------------------------------
+
+def test_forward_reaches_the_endpoint_by_dnat_and_keeps_the_client_ip() -> None:
+    with nfqueue_node() as node, node.dial(FORWARD) as s:
+        peer = _ask(s, "PEER")
+    assert peer.startswith(f"pod1 {CLIENT_IP}:"), peer
+    assert [(f.src, f.dst, f.dport) for f in node.decider.seen] == [
+        (CLIENT_IP, NODE_IP, FORWARD)]
+
+
+def test_forward_with_the_masquerade_bit_reaches_the_endpoint_from_the_node() -> None:
+    with nfqueue_node() as node, node.dial(FORWARD_SNAT) as s:
+        peer = _ask(s, "PEER")
+    assert peer.startswith("pod1 10.77.2.1:"), peer  # the node's address toward pod1
+
+
+def test_drop_gets_no_answer_so_the_connect_times_out() -> None:
+    with nfqueue_node() as node:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            node.dial(DROP, timeout=0.5)
+        assert time.monotonic() - t0 >= 0.45
+    assert node.decider.seen and {f.dport for f in node.decider.seen} == {DROP}
+
+
+def _listen_in(ns: str, port: int) -> socket.socket:
+    def make() -> socket.socket:
+        s = socket.socket()
+        s.bind(("0.0.0.0", port))
+        s.listen(8)
+        return s
+    return in_netns(ns, make)
+
+
+def test_reject_refuses_at_once_even_where_the_node_listens() -> None:
+    """The reset is kpx's rule: a node socket on the port would have accepted."""
+    with nfqueue_node() as node, _listen_in(node.topo.node, REJECT):
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionRefusedError):
+            node.dial(REJECT, timeout=2.0)
+        assert time.monotonic() - t0 < 0.5
+    assert [f.dport for f in node.decider.seen] == [REJECT]
+
+
+def test_the_kernel_drops_what_overflows_the_socket_and_the_reader_carries_on() -> None:
+    """ENOBUFS: counted, logged, and the packets that did arrive are still answered."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    with topology() as topo:
+        q = in_netns(topo.node, lambda: QueueSocket(QUEUE, rcvbuf=1))  # the kernel's minimum
+        try:
+            in_netns(topo.node, rules.install, CFG, SERVED, "xt")
+            clients = [socket_in(topo.client) for _ in range(60)]
+            try:
+                for c in clients:
+                    c.setblocking(False)
+                    with contextlib.suppress(BlockingIOError):
+                        c.connect((NODE_IP, DROP))
+                time.sleep(0.3)
+                got = q.read_batch()
+                q.send_verdicts([netlink.drop(p.packet_id) for p in got])
+            finally:
+                for c in clients:
+                    c.close()
+            assert q.enobufs >= 1
+            assert 0 < len(got) < 60
+            assert q.verdict_errors == 0
+        finally:
+            q.close()
+
+
+def test_a_node_process_goes_through_output_and_is_decided_too() -> None:
+    with nfqueue_node() as node:
+        with node.dial(FORWARD, ns=node.topo.node) as s:
+            peer = _ask(s, "PEER")
+        with pytest.raises(ConnectionRefusedError):
+            node.dial(REJECT, ns=node.topo.node)
+    assert peer.startswith(f"pod1 {NODE_IP}:"), peer
+    assert [f.dport for f in node.decider.seen] == [FORWARD, REJECT]
+
+
+def test_an_endpoint_on_the_node_is_decided_once_for_a_node_process() -> None:
+    """The DNATed SYN loops back through prerouting with the verdict's mark still on it:
+    the marking chain clears the stale bit, so it is not queued (and dropped) a second time."""
+    with (nfqueue_node() as node, _listen_in(node.topo.node, NODE_PORT) as srv,
+          node.dial(TO_NODE, ns=node.topo.node)):
+        srv.settimeout(2)
+        conn, peer = srv.accept()
+        conn.close()
+    assert [f.dport for f in node.decider.seen] == [TO_NODE]
+    assert peer[0] == NODE_IP
+
+
+def test_only_the_syn_is_queued_while_the_bytes_flow_in_the_kernel() -> None:
+    conns, size = 6, 1 << 20
+    payload = bytes(range(256)) * (size // 256)
+    with nfqueue_node() as node:
+        for _ in range(conns):
+            with node.dial(FORWARD, timeout=5) as s:
+                s.sendall(b"ECHO\n")
+                got = 0
+                sent = 0
+                deadline = time.monotonic() + 10
+                while got < size and time.monotonic() < deadline:
+                    if sent < size:
+                        sent += s.send(payload[sent:sent + 65536])
+                    with contextlib.suppress(TimeoutError):
+                        s.settimeout(0.01 if sent < size else 2)
+                        got += len(s.recv(1 << 18))
+                    s.settimeout(5)
+                assert got == size
+    assert len(node.decider.seen) == conns
+    assert all(f.dport == FORWARD and f.proto == socket.IPPROTO_TCP for f in node.decider.seen)
+
+
+def test_an_unknown_target_index_is_not_dnated() -> None:
+    """A FORWARD mark whose slot the map lacks is delivered to the node, where nothing listens."""
+    with nfqueue_node(decide=lambda f, lay: lay.forward(9)) as node, pytest.raises(
+            ConnectionRefusedError):
+        node.dial(FORWARD)
+
+
+# -- fail-closed and fail-open ---------------------------------------------------------------
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_without_a_queue_reader_syns_drop_unless_bypass(bypass: bool) -> None:
+    """Fail-closed by default: no reader, no connection (the client retransmits)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    cfg = QueueConfig(queue=QUEUE, bypass=bypass)
+    with topology() as topo:
+        in_netns(topo.node, rules.install, cfg, SERVED, "xt")
+        if bypass:  # let through without a mark: no DNAT, the node itself resets
+            with pytest.raises(ConnectionRefusedError):
+                connect_in(topo.client, (NODE_IP, FORWARD), 0.5)
+        else:
+            with pytest.raises(TimeoutError):
+                connect_in(topo.client, (NODE_IP, FORWARD), 0.5)
+
+
+# -- install and remove ------------------------------------------------------------------------
+
+def _kpx_lines(node: Node) -> list[str]:
+    return [ln for ln in node.node_sh("iptables-save", "-t", "mangle").splitlines()
+            if rules.COMMENT in ln or "NFQUEUE" in ln]
+
+
+def test_install_again_leaves_one_copy_and_remove_leaves_nothing() -> None:
+    with nfqueue_node() as node:
+        ns = node.topo.node
+        # A killed kpx's leftovers: its table and rules, one of them for another queue.
+        in_netns(ns, rules.install, CFG, SERVED, "xt")
+        old = QueueConfig(queue=QUEUE + 1)
+        sh("ip", "netns", "exec", ns, *rules.iptables_argv("-A", rules.iptables_rules(old)[0]))
+        in_netns(ns, rules.install, CFG, SERVED, "xt")
+        lines = _kpx_lines(node)
+        assert lines == [f"-A {' '.join(r)}" for r in rules.iptables_rules(CFG)]
+        assert node.node_sh("nft", "list", "tables").count(f"table ip {CFG.table}") == 1
+        with node.dial(FORWARD) as s:  # still serving
+            assert _ask(s, "PEER").startswith("pod1 ")
+
+        assert in_netns(ns, rules.remove, CFG) == 2
+        assert _kpx_lines(node) == []
+        ruleset = node.node_sh("nft", "list", "ruleset")
+        assert CFG.table not in ruleset and "queue" not in ruleset
+        assert "table ip mangle" not in ruleset  # iptables-nft's, emptied: gone too
+        assert in_netns(ns, rules.remove, CFG) == 0  # idempotent
+        # With no rules nothing is queued: the SYN goes to the node, which resets it.
+        with pytest.raises(ConnectionRefusedError):
+            node.dial(FORWARD)
+
+
+def test_a_mangle_table_with_anyone_elses_rule_stays() -> None:
+    with nfqueue_node() as node:
+        ns = node.topo.node
+        in_netns(ns, rules.install, CFG, SERVED, "xt")
+        theirs = ["PREROUTING", "-p", "udp", "--dport", "9", "-j", "ACCEPT"]
+        sh("ip", "netns", "exec", ns, *rules.iptables_argv("-A", theirs))
+        in_netns(ns, rules.remove, CFG)
+        assert _kpx_lines(node) == []
+        assert "--dport 9 -j ACCEPT" in node.node_sh("iptables-save", "-t", "mangle")
+
+
+def test_only_an_empty_accepting_mangle_table_counts_as_empty() -> None:
+    def listing(*items: dict[str, Any]) -> str:
+        return json.dumps({"nftables": [{"metainfo": {}}, {"table": {"name": "mangle"}},
+                                        *items]})
+    chain = {"chain": {"name": "PREROUTING", "policy": "accept"}}
+    assert rules.mangle_is_empty(listing(chain))
+    assert not rules.mangle_is_empty(listing({"chain": {"name": "X", "policy": "drop"}}))
+    assert not rules.mangle_is_empty(listing(chain, {"rule": {"chain": "PREROUTING"}}))
+    assert not rules.mangle_is_empty(listing(chain, {"set": {"name": "s"}}))
+    assert not rules.mangle_is_empty("not json")
+
+
+def _kernel_has_nft_queue() -> bool | None:
+    """What the kernel's own config says (None: it does not say)."""
+    try:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            config = f.read()
+    except OSError:
+        return None
+    return "CONFIG_NFT_QUEUE=y" in config or "CONFIG_NFT_QUEUE=m" in config
+
+
+def test_the_nft_queue_probe_agrees_with_the_kernel_and_leaves_nothing() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+
+    def probe() -> tuple[bool, str]:
+        supported = rules.nft_queue_supported(QUEUE)
+        return supported, sh("nft", "list", "ruleset").stdout
+
+    supported, ruleset = in_fresh_netns("nfqprobe", probe)
+    known = _kernel_has_nft_queue()
+    if known is not None:
+        assert supported == known
+    assert ruleset.strip() == ""
+
+
+def test_install_picks_the_mechanism_the_probe_finds_and_logs_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    caplog.set_level("INFO", logger="proxy.nfqueue.rules")
+
+    def install_and_list() -> tuple[str, bool, str, str]:
+        supported = rules.nft_queue_supported(QUEUE)
+        used = rules.install(CFG, SERVED)
+        return (used, supported, sh("iptables-save", "-t", "mangle").stdout,
+                sh("nft", "list", "table", "ip", CFG.table).stdout)
+
+    used, supported, save, table = in_fresh_netns("nfqpick", install_and_list)
+    assert used == ("nft" if supported else "xt")
+    assert (rules.COMMENT in save) == (used == "xt")
+    assert (f"queue num {QUEUE}" in table) == (used == "nft")
+    assert any("queueing SYNs with" in r.getMessage() for r in caplog.records)
+
+
+# -- pure pieces: the mark layout and the rendering -----------------------------------------
+
+def test_the_default_layout_stays_clear_of_kube_proxy_and_the_userspace_mode() -> None:
+    lay = MarkLayout()
+    assert lay.mask == 0xFFFF1000 and lay.mask & 0xE000 == 0
+    assert lay.shift == 16 and lay.max_index == 0x7FFE
+    assert lay.forward(1) == 0x00011000
+    assert lay.forward(0x7FFE, masquerade=True) == 0xFFFE1000
+    assert lay.reject == 0x7FFF1000
+    for bad in (0, lay.max_index + 1):
+        with pytest.raises(ValueError):
+            lay.forward(bad)
+
+
+def test_a_verdict_keeps_every_bit_outside_the_layout() -> None:
+    lay = MarkLayout()
+    theirs = 0x4000 | 0x2000 | 0x0F00 | 0x1  # kube-proxy, userspace kpx, Cilium, someone
+    # The queued bit the marking rule set, and stale target bits, are replaced.
+    assert lay.verdict_mark(theirs | 0x1000 | 0x00050000, lay.forward(2)) == theirs | 0x00021000
+
+
+@pytest.mark.parametrize("kw", [
+    {"queued": 0x4000}, {"queued": 0x3000}, {"target": 0x00F0F000}, {"masquerade": 0x2000},
+    {"target": 0x00011000}, {"target": 0x10000},
+])
+def test_a_layout_that_collides_or_cannot_hold_an_index_is_refused(kw: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        MarkLayout(**kw)
+
+
+def test_the_script_is_one_atomic_replacement_and_validates_first() -> None:
+    script = rules.nft_script(CFG, SERVED)
+    assert script.startswith(f"table ip {CFG.table}\ndelete table ip {CFG.table}\n")
+    assert "elements = { 30080, 30081, 30082, 30083, 30084 }" in script
+    assert "0x00010000 . tcp . 30080 : 10.77.2.2 . 8080" in script
+    assert "queue" not in script
+    assert f"queue num {QUEUE} bypass" in rules.nft_script(
+        QueueConfig(queue=QUEUE, bypass=True), SERVED, "nft")
+    for bad in (Served(ports=frozenset({0})), Served(pairs=frozenset({("10.1.1", 80)})),
+                Served(targets={(None, "tcp", 80): {0: ("10.0.0.1", 80)}}),
+                Served(targets={(None, "sctp", 80): {1: ("10.0.0.1", 80)}}),
+                Served(targets={("10.96.0", "tcp", 80): {1: ("10.0.0.1", 80)}})):
+        with pytest.raises(ValueError):
+            rules.nft_script(CFG, bad)
+
+
+# -- changes element by element ----------------------------------------------------------------
+
+OLD = Served(ports=frozenset({30080, 30081}), pairs=frozenset({("10.96.0.10", 80)}),
+             vips=frozenset({"10.96.0.10"}),
+             targets={(None, "tcp", 30080): {1: ("10.244.1.5", 8080), 2: ("10.244.2.5", 8080)},
+                      ("10.96.0.10", "tcp", 80): {1: ("10.244.1.5", 8080)}})
+NEW = Served(ports=frozenset({30080, 30082}), pairs=frozenset({("10.96.0.10", 80)}),
+             vips=frozenset({"10.96.0.10"}), udp_ports=frozenset({30053}),
+             targets={(None, "tcp", 30080): {1: ("10.244.1.5", 8080), 2: ("10.244.3.5", 8080)},
+                      (None, "udp", 30053): {1: ("10.244.1.5", 53)},
+                      ("10.96.0.10", "tcp", 80): {1: ("10.244.1.5", 8080)}})
+
+
+def test_a_change_is_written_as_its_elements_and_ends_where_the_whole_table_would() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    lay = CFG.layout
+    old, new = rules.elements(OLD, lay), rules.elements(NEW, lay)
+    delta = rules.update_script(CFG.table, old, new)
+    assert rules.update_script(CFG.table, new, new) == ""
+    # Only what changed: a port each way, the UDP port, the moved endpoint (out, then in).
+    assert "30081" in delta and "30082" in delta and "30053" in delta
+    assert "10.244.3.5" in delta and "10.244.1.5 . 8080" not in delta
+    assert delta.index("delete element") < delta.index("add element")
+
+    def listing(*scripts: str) -> str:
+        for script in scripts:
+            sh_in = subprocess.run(["nft", "-f", "-"], input=script, text=True,
+                                   capture_output=True, check=False)
+            assert sh_in.returncode == 0, sh_in.stderr
+        return sh("nft", "list", "table", "ip", CFG.table).stdout
+
+    stepped = in_fresh_netns("nfqdelta1", listing, rules.nft_script(CFG, OLD), delta)
+    whole = in_fresh_netns("nfqdelta2", listing, rules.nft_script(CFG, NEW))
+    assert stepped == whole
+
+
+def test_a_change_to_a_table_that_is_not_as_written_is_refused_whole() -> None:
+    """Someone deleted a map element: the delta fails and changes nothing (kpx then writes
+    the whole table)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    lay = CFG.layout
+    delta = rules.update_script(CFG.table, rules.elements(OLD, lay), rules.elements(NEW, lay))
+
+    def tamper_then_apply() -> tuple[int, str, str]:
+        subprocess.run(["nft", "-f", "-"], input=rules.nft_script(CFG, OLD), text=True,
+                       check=True)
+        sh("nft", "delete", "element", "ip", CFG.table, "np_targets",
+           "{ 0x00020000 . tcp . 30080 }")
+        before = sh("nft", "list", "table", "ip", CFG.table).stdout
+        res = subprocess.run(["nft", "-f", "-"], input=delta, text=True, capture_output=True,
+                             check=False)
+        return res.returncode, before, sh("nft", "list", "table", "ip", CFG.table).stdout
+
+    rc, before, after = in_fresh_netns("nfqdelta3", tamper_then_apply)
+    assert rc != 0 and before == after

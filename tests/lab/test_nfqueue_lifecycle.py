@@ -1,0 +1,123 @@
+"""nfqueue mode across restarts: established flows keep flowing, new SYNs are decided again.
+
+kpx fails closed by default: while no process reads the queue, the kernel
+drops queued SYNs and the client retransmits. A rolling restart hands the
+queue over (the old process gives it back when it stops, the new one binds
+it); a SIGKILL leaves the rules behind, and the next kpx puts exactly one
+copy of each back. Every established connection is conntrack's throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from lab import Lab, netns
+from lab.common import wait_until
+from tests.support.labkit import lab_spec, service, wait_applied, who
+
+pytestmark = pytest.mark.lab
+
+LabFactory = Callable[..., Lab]
+NODE = "node2"
+NFQ = ["--proxy-mode", "nfqueue"]
+
+
+def echo_conn(lab: Lab, ip: str, port: int) -> socket.socket:
+    s = netns.socket_in(lab.ns("client"), socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(3.0)
+    s.connect((ip, port))
+    s.sendall(b"ECHO\n")
+    return s
+
+
+def echoes(s: socket.socket, data: bytes) -> bool:
+    s.sendall(data)
+    got = b""
+    while len(got) < len(data):
+        chunk = s.recv(65536)
+        if not chunk:
+            return False
+        got += chunk
+    return got == data
+
+
+def kpx_rules(lab: Lab) -> tuple[int, int]:
+    """(kpx's iptables rules, kpx_nfq tables) in NODE's namespace."""
+    save = lab.run(NODE, ["iptables-save", "-t", "mangle"]).stdout
+    rules = sum("kpx-nfqueue" in line for line in save.splitlines())
+    tables = lab.run(NODE, ["nft", "list", "tables"]).stdout.split().count("kpx_nfq")
+    return rules, tables
+
+
+def test_a_restart_keeps_established_flows_and_decides_new_syns(
+        lab_factory: LabFactory) -> None:
+    lab = lab_factory(lab_spec({"web-1": "node1"}, service("web", "Cluster")),
+                      extra_proxy_args=NFQ)
+    wait_applied(lab)
+    port = lab.node_port("default/web")
+    ip = lab.node_ip(NODE)
+    held = echo_conn(lab, ip, port)
+    try:
+        assert echoes(held, b"before" * 1000)
+        old, new = lab.restart_proxy(NODE)
+        wait_until(lambda: not netns.pid_alive(old), 15, what="the old kpx node to exit")
+        assert echoes(held, b"during" * 1000), "an established flow broke across the restart"
+        # New SYNs are decided by the new process (a SYN dropped in the gap is retried).
+        wait_until(lambda: lab.proxy_log(NODE).count("nfqueue rules in force") >= 2, 15,
+                   what="the new kpx node's rules in force")
+        reply, _ = who(lab, "client", ip, port, timeout=5.0)
+        assert reply["pod"] == "web-1"
+        assert echoes(held, b"after" * 1000)
+        assert kpx_rules(lab) == (2, 1)
+
+        # SIGKILL: nothing is removed; the next kpx finds the leftovers and keeps one copy.
+        os.kill(new, signal.SIGKILL)
+        wait_until(lambda: not netns.pid_alive(new), 5, what="the killed kpx node to go")
+        assert kpx_rules(lab) == (2, 1), "a SIGKILL must leave the rules as they were"
+        assert echoes(held, b"orphaned" * 1000), "conntrack forwards with no kpx at all"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):  # fail-closed: queued SYNs are dropped
+            who(lab, "client", ip, port, timeout=1.0)
+        assert time.monotonic() - t0 >= 0.9
+        lab._start_proxy(NODE)  # as a DaemonSet restarts a killed pod; no old one to stop
+        reply, _ = who(lab, "client", ip, port, timeout=5.0)
+        assert reply["pod"] == "web-1"
+        assert kpx_rules(lab) == (2, 1), "a restart after SIGKILL must leave one copy"
+    finally:
+        held.close()
+
+
+def test_a_sync_writes_only_what_changed_and_repairs_a_table_someone_touched(
+        lab_factory: LabFactory) -> None:
+    """Each sync is an element-by-element change of kpx's table; when the table is not what
+    kpx wrote (an element deleted by hand), the change is refused and the whole table goes
+    back in, so the service works again at the next sync."""
+    lab = lab_factory(lab_spec({"web-1": "node1"}, service("web", "Cluster")),
+                      extra_proxy_args=NFQ)
+    wait_applied(lab)
+    port = lab.node_port("default/web")
+    ip = lab.node_ip(NODE)
+    assert who(lab, "client", ip, port)[0]["pod"] == "web-1"
+    # Tamper: the NodePort's only DNAT target goes; SYNs then meet the node itself.
+    lab.run(NODE, ["nft", "flush", "map", "ip", "kpx_nfq", "np_targets"])
+    with pytest.raises(ConnectionRefusedError):
+        who(lab, "client", ip, port)
+    # The pod moves: kpx's change deletes the element that is already gone, and is refused.
+    lab.move_pod("web-1", "node3")
+    wait_until(lambda: "writing it whole" in lab.proxy_log(NODE), 10,
+               what="kpx noticing its table was touched")
+    assert "not as kpx left it" in lab.proxy_log(NODE)
+
+    def served_from_node3() -> bool:
+        try:
+            return who(lab, "client", ip, port)[0]["node"] == "node3"
+        except OSError:  # the whole table is going in right after the log line
+            return False
+
+    wait_until(served_from_node3, 10, what="the moved pod served through the rewritten table")

@@ -1,0 +1,159 @@
+"""nfqueue mode's pure parts: target numbering, what is queued, conntrack's settings.
+
+Target indices are stable while an endpoint stays, retired one sync after
+it leaves (SYNs decided just before must still find it), reused after
+that, and bounded by the mark; a NodePort is queued on every address or on
+``--nodeport-addresses`` only, a VIP port on its VIP, a port without
+endpoints nowhere; conntrack's values follow kube-proxy's flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from proxy.core.decision import build_plans
+from proxy.core.model import EndpointPort, ServicePort
+from proxy.nfqueue import conntrack
+from proxy.nfqueue.dataplane import Slots, Targets, served_for
+from tests.support.model import endpoint, endpoint_slice, service, snapshot
+
+A, B, C = ("10.244.1.5", 8080), ("10.244.2.5", 8080), ("10.244.3.5", 8080)
+
+
+def test_indices_are_stable_retired_a_sync_later_then_reused() -> None:
+    t = Targets(max_index=10)
+    first = t.assign({A, B})
+    assert sorted(first.values()) == [A, B] and t.index == {A: 1, B: 2}
+    second = t.assign({B, C})  # A leaves: still in the map for one more sync
+    assert t.index == {B: 2, C: 3} and second[1] == A
+    third = t.assign({B, C})
+    assert 1 not in third  # retired now
+    t.assign({B, C, ("10.244.4.5", 8080)})
+    assert t.index[("10.244.4.5", 8080)] == 1  # its index is reused
+
+
+def test_more_endpoints_than_the_mark_can_number_is_an_error() -> None:
+    t = Targets(max_index=2)
+    with pytest.raises(ValueError, match="at most 2 distinct endpoints"):
+        t.assign({A, B, C})
+
+
+def test_slots_are_numbered_per_frontend_so_the_node_may_hold_more_than_a_mark_numbers() -> None:
+    """Two endpoints per frontend and a mark that numbers two: three frontends fit."""
+    s = Slots(max_slot=2)
+    np_, vip, udp = (None, "tcp", 30080), ("10.96.0.10", "tcp", 80), (None, "udp", 30080)
+    got = s.assign({np_: {A, B}, vip: {A, C}, udp: {B, C}})
+    assert got == {np_: {1: A, 2: B}, vip: {1: A, 2: C}, udp: {1: B, 2: C}}
+    assert s.index(vip) == {A: 1, C: 2}
+    # A frontend that goes keeps its slots in the maps for one more sync.
+    assert s.assign({np_: {A, B}, udp: {B, C}})[vip] == {1: A, 2: C}
+    assert vip not in s.assign({np_: {A, B}, udp: {B, C}}) and s.index(vip) == {}
+    with pytest.raises(ValueError, match=r"NodePort 30080/tcp: more than 2 endpoints"):
+        s.assign({np_: {A, B, C}})
+
+
+def plans(*eps: tuple[str, int], node_port: int = 30080) -> dict[object, object]:
+    svc = dataclasses.replace(service("web", node_port=node_port), cluster_ip="10.96.0.10")
+    sl = endpoint_slice(svc, [endpoint(ip, "node-a") for ip, _ in eps])
+    return build_plans(snapshot([svc], [sl]), "node-a", vips=True)  # type: ignore[return-value]
+
+
+def test_what_is_queued() -> None:
+    fe = (None, "tcp", 30080)
+    served = served_for(plans(A), ("0.0.0.0",), {fe: {1: A}})  # type: ignore[arg-type]
+    assert served.ports == {30080} and served.pairs == {("10.96.0.10", 80)}
+    assert served.vips == {"10.96.0.10"} and served.targets == {fe: {1: A}}
+    narrow = served_for(plans(A), ("192.0.2.1", "127.0.0.1"), {})  # type: ignore[arg-type]
+    assert narrow.ports == set()
+    assert narrow.pairs == {("192.0.2.1", 30080), ("127.0.0.1", 30080), ("10.96.0.10", 80)}
+    empty = served_for(plans(), ("0.0.0.0",), {})  # type: ignore[arg-type]
+    # No endpoint: nothing queued; the VIP stays known, so its SYNs are rejected.
+    assert empty.ports == set() and empty.pairs == set() and empty.vips == {"10.96.0.10"}
+
+
+def test_conntrack_values_follow_kube_proxys_flags(tmp_path: Path) -> None:
+    s = conntrack.Settings()
+    assert s.wanted_max(cpus=2) == 131072 and s.wanted_max(cpus=8) == 262144
+    got = conntrack.wanted(conntrack.Settings(tcp_established=0, max_per_core=0), cpus=2)
+    assert got == {"net/ipv4/conf/all/route_localnet": 1,
+                   "net/netfilter/nf_conntrack_tcp_timeout_close_wait": 3600,
+                   "net/netfilter/nf_conntrack_udp_timeout": 30,
+                   "net/netfilter/nf_conntrack_udp_timeout_stream": 120}
+    # Applied to a fake /proc/sys: written where different, nf_conntrack_max only raised.
+    for key, value in {"net/ipv4/conf/all/route_localnet": 0,
+                       "net/netfilter/nf_conntrack_tcp_timeout_established": 432000,
+                       "net/netfilter/nf_conntrack_tcp_timeout_close_wait": 3600,
+                       "net/netfilter/nf_conntrack_max": 10_000_000}.items():
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_text(f"{value}\n")
+    done = conntrack.apply(conntrack.Settings(), root=tmp_path)
+    assert done == {"net/ipv4/conf/all/route_localnet": 1,
+                    "net/netfilter/nf_conntrack_tcp_timeout_established": 86400}
+    assert (tmp_path / "net/netfilter/nf_conntrack_max").read_text() == "10000000\n"
+
+
+def test_a_udp_port_is_queued_in_the_udp_sets_only() -> None:
+    svc = dataclasses.replace(service("dns", ports=(ServicePort("dns", "UDP", 53, 53, 30053),)),
+                              cluster_ip="10.96.0.10")
+    sl = endpoint_slice(svc, [endpoint("10.244.1.5")],
+                        ports=[EndpointPort("dns", 53, "UDP")])
+    tcp = build_plans(snapshot([svc], [sl]), "node-a", vips=True)
+    udp = build_plans(snapshot([svc], [sl]), "node-a", vips=True, protocol="UDP")
+    served = served_for(tcp, ("0.0.0.0",), {}, udp)  # type: ignore[arg-type]
+    assert served.ports == set() and served.pairs == set()
+    assert served.udp_ports == {30053} and served.udp_pairs == {("10.96.0.10", 53)}
+    assert served.vips == {"10.96.0.10"}  # a UDP-only VIP still rejects what it does not serve
+
+
+def test_conntrack_udp_timeouts_are_whole_seconds_rounded_up() -> None:
+    got = conntrack.wanted(conntrack.Settings(udp=0.4, udp_stream=90.5), cpus=2)
+    assert got["net/netfilter/nf_conntrack_udp_timeout"] == 1
+    assert got["net/netfilter/nf_conntrack_udp_timeout_stream"] == 91
+    kept = conntrack.wanted(conntrack.Settings(udp=0, udp_stream=0), cpus=2)
+    assert not any("udp" in k for k in kept)  # 0 leaves them as they are
+
+
+NODE = "192.0.2.1"
+
+
+def udp_plans(*ips: str, node_port: int = 30053) -> dict[object, object]:
+    svc = dataclasses.replace(
+        service("dns", ports=(ServicePort("dns", "UDP", 53, 8053, node_port),)),
+        cluster_ip="10.96.0.10")
+    sl = endpoint_slice(svc, [endpoint(ip, "node-a") for ip in ips],
+                        ports=[EndpointPort("dns", 8053, "UDP")])
+    return build_plans(snapshot([svc], [sl]), "node-a", vips=True,  # type: ignore[return-value]
+                       protocol="UDP")
+
+
+def entry(dst: str, dport: int, reply_src: str) -> conntrack.UdpEntry:
+    return conntrack.UdpEntry("10.0.0.9", 40000, dst, dport, reply_src)
+
+
+def test_stale_udp_names_flows_pinned_to_what_is_no_longer_an_endpoint() -> None:
+    """kube-proxy's CleanStaleEntries: by VIP:port, and by NodePort on this node's addresses."""
+    table = udp_plans("10.244.1.5", "10.244.2.5")
+    kept = [
+        entry("10.96.0.10", 53, "10.244.1.5"),  # to a live endpoint
+        entry(NODE, 30053, "10.244.2.5"),
+        entry("10.96.0.10", 80, "10.244.9.9"),  # another port of the VIP: not ours
+        entry("198.51.100.7", 30053, "198.51.100.7"),  # the port on someone else's address
+        entry("10.96.0.11", 53, "10.244.9.9"),  # another VIP
+    ]
+    stale = [
+        entry("10.96.0.10", 53, "10.244.9.9"),  # a deleted pod
+        entry(NODE, 30053, NODE),  # answered by the node itself while there was no endpoint
+        entry("127.0.0.1", 30053, "10.244.9.9"),  # the node's own, over localhost
+    ]
+    got = conntrack.stale_udp([*kept, *stale], table, {NODE})  # type: ignore[arg-type]
+    assert got == stale
+
+
+def test_a_udp_port_without_endpoints_keeps_its_flows() -> None:
+    """Nothing better to move them to (kube-proxy skips such a service too)."""
+    table = udp_plans()
+    assert conntrack.serving(table) == ({}, {})  # type: ignore[arg-type]
+    assert conntrack.stale_udp([entry(NODE, 30053, NODE)], table, {NODE}) == []  # type: ignore[arg-type]
