@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -31,6 +32,8 @@ from bench.contenders import CONTENDER_ORDER, UDP_ONLY, default_contenders
 from bench.control import ControlSettings
 from bench.results import DEFAULT_WORKLOADS, WORKLOADS
 from bench.runner import Bench, Config
+from bench.scale import CONTENDERS as SCALE_CONTENDERS
+from bench.scale import run_cli as run_scale
 from bench.workloads import Settings
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -63,7 +66,18 @@ def _sizes(text: str) -> list[int]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="short complete run: 1 run per cell, local path, < 3 minutes")
+                        help="short complete run: 1 run per cell, local path, < 3 minutes "
+                             "(with --scale: 300 connections per point, < 5 minutes)")
+    parser.add_argument("--scale", action="store_true",
+                        help="kube-proxy's iptables and nftables rule layouts against kpx at "
+                             "1,000-30,000 services (bench/README.md); the other flags but "
+                             "--quick, --out, --kpx, --keep-logs and --scale-* are ignored")
+    parser.add_argument("--scale-sizes", type=_sizes, metavar="N,N",
+                        help="service counts for --scale (default 1000,5000,10000,30000)")
+    parser.add_argument("--scale-contenders", type=_csv(SCALE_CONTENDERS), metavar="LIST",
+                        help=f"comma list of {','.join(SCALE_CONTENDERS)} (default: all)")
+    parser.add_argument("--scale-connections", type=int, metavar="N",
+                        help="fresh connections per latency point (default 2000, quick 300)")
     parser.add_argument("--duration", type=float, metavar="S",
                         help="seconds per bulk/rr/cps run (default 5/10/10, quick 2/3/3); "
                              "udp runs as long as rr")
@@ -173,12 +187,27 @@ def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("kpx bench: needs root (network namespaces, nftables)", file=sys.stderr)
         return 2
+    if args.scale:
+        missing = ensure_tools(not args.no_install, {"iptables": "iptables",
+                                                     "conntrack": "conntrack"})
+        if missing:
+            print(f"kpx bench: missing tools: {', '.join(missing)}", file=sys.stderr)
+            return 2
+        return _with_signals(lambda: run_scale(
+            args.quick, args.out, args.kpx or _default_kpx(), args.scale_sizes,
+            args.scale_contenders, args.scale_connections, args.keep_logs))
     cfg = build_config(args)
     optional = UDP_TOOLS if "udp" in cfg.workloads and "socat" in cfg.contenders else None
     missing = ensure_tools(not args.no_install, optional)
     if missing:
         print(f"kpx bench: missing tools: {', '.join(missing)}", file=sys.stderr)
         return 2
+
+    return _with_signals(lambda: Bench(cfg).run())
+
+
+def _with_signals(body: Callable[[], int]) -> int:
+    """Run ``body`` with SIGTERM and Ctrl-C turned into the cleanup path."""
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
@@ -188,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, on_term)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return Bench(cfg).run()
+        return body()
     finally:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
