@@ -81,7 +81,7 @@ CHECKED = 20
 """Random services checked for the right answer before any figure, besides the first and last."""
 MEM_KEYS = ("Slab", "VmallocUsed", "Percpu")
 GENERATION = re.compile(r"(service VIPs|nfqueue rules) in force \(generation (\d+)\)")
-REFUSED = re.compile(r"(not put in force|cannot put \d+ service VIPs in force|"
+REFUSED = re.compile(r"[^\n]*(?:not put in force|cannot put \d+ service VIPs in force|"
                      r"Too many open files)[^\n]*")
 
 
@@ -164,7 +164,7 @@ def generations(log: str) -> list[int]:
 
 def refusal(log: str) -> str | None:
     """kpx's own words when it did not put a state in force (the last such line)."""
-    found = [m.group(0) for m in REFUSED.finditer(log)]
+    found = [m.group(0).split(": ", 1)[-1] for m in REFUSED.finditer(log)]
     return found[-1][:300] if found else None
 
 
@@ -776,6 +776,7 @@ def run_cli(quick: bool, out: Path, kpx: str, sizes: list[int] | None,
                       contenders=tuple(contenders or CONTENDERS),
                       connections=connections or (300 if quick else 2000),
                       rate_seconds=1.0 if quick else 3.0, quick=quick, out=out, kpx=kpx,
+                      kpx_timeout=45.0 if quick else 120.0,
                       keep_logs=keep_logs)
     if on_start:
         on_start()
