@@ -277,8 +277,8 @@ class ScaleNet:
 # ---- contenders --------------------------------------------------------------------------
 
 
-class Unavailable(Exception):
-    """The contender cannot run on this machine at all; the message says why."""
+class OverBudget(RuntimeError):
+    """A programming step ran past the budget: larger N are not tried for that contender."""
 
 
 class Contender:
@@ -307,9 +307,15 @@ class Contender:
     def stop(self) -> None:
         self.net.reset_node()
 
+    budget = 900.0
+    """Seconds one programming step may take before it is stopped (``ScaleConfig.budget``)."""
+
     def _timed(self, argv: list[str], text: str) -> float:
         t0 = time.monotonic()
-        cp = self.net.run(NODE, argv, text)
+        try:
+            cp = self.net.run(NODE, argv, text, timeout=self.budget)
+        except CommandError as e:
+            raise OverBudget(f"{argv[0]} took longer than {self.budget:.0f}s") from e
         took = time.monotonic() - t0
         if cp.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} -> rc {cp.returncode}: "
@@ -400,7 +406,7 @@ class Kpx(Contender):
 
     def _wait_generation(self, after: int, t0: float) -> float:
         """Seconds from ``t0`` until kpx logs a generation newer than ``after`` in force."""
-        deadline = t0 + self.timeout
+        deadline = t0 + min(self.timeout, self.budget)
         while time.monotonic() < deadline:
             log = self._log()
             gens = generations(log)
@@ -413,8 +419,10 @@ class Kpx(Contender):
                 raise RuntimeError(f"kpx logged: {why}")
             time.sleep(0.005)
         why = refusal(self._log())
-        raise RuntimeError(f"no newer generation in force within {self.timeout:.0f}s"
-                           + (f"; kpx logged: {why}" if why else ""))
+        if why:
+            raise RuntimeError(f"kpx logged: {why}")
+        raise OverBudget(f"no newer generation in force within "
+                         f"{min(self.timeout, self.budget):.0f}s")
 
     def program(self, svcs: list[kr.ServicePort]) -> float:
         """Started on the first service alone; then the rename of the full state is timed."""
@@ -496,6 +504,8 @@ class ScaleConfig:
     out: Path = Path("bench/results")
     kpx: str = "kpx"
     kpx_timeout: float = 120.0
+    budget: float = 900.0
+    """Seconds one programming step may take; past it the contender skips larger N."""
     keep_logs: bool = False
 
 
@@ -534,6 +544,11 @@ class ScaleBench:
         cls = KpxNfqueue if name == "kpx-nfq" else Kpx
         return cls(self.net, self.log_dir, self.cfg.kpx, self.cfg.kpx_timeout)
 
+    def contender(self, name: str) -> Contender:
+        c = self.make(name)
+        c.budget = self.cfg.budget
+        return c
+
     def client(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
         cp = self.net.run("client", [sys.executable, "-m", "bench.scaleprobe", "client"],
                           json.dumps(job), timeout=timeout)
@@ -549,6 +564,8 @@ class ScaleBench:
         mem0 = kernel_kib()
         try:
             program_s = c.program(svcs)
+        except OverBudget:
+            raise
         except RuntimeError as e:
             return Run.failed(f"program: {e}", **detail)
         mem1 = kernel_kib()
@@ -614,7 +631,7 @@ class ScaleBench:
             if not poll(lambda: all("listening" in b.tail() for b in backends), 10.0):
                 raise RuntimeError("backends did not start: "
                                    + "; ".join(b.why() for b in backends))
-            contenders = [self.make(n) for n in cfg.contenders]
+            contenders = [self.contender(n) for n in cfg.contenders]
             for c in contenders:
                 why = c.unavailable()
                 self.availability[c.name] = {"available": why is None, "reason": why,
@@ -623,13 +640,23 @@ class ScaleBench:
                     self.out.write(f"{c.name}: {why}\n")
                     for n in cfg.sizes:
                         self.table.mark(None, f"scale-{n}", c.name, "unavailable", why)
+            over: dict[str, str] = {}
             for n in cfg.sizes:
                 for c in contenders:
                     if not self.availability[c.name]["available"]:
                         continue
+                    if c.name in over:
+                        self.table.mark(None, f"scale-{n}", c.name, "skipped", over[c.name])
+                        self.out.write(f"{n:>6} {c.name:<16} SKIPPED: {over[c.name]}\n")
+                        continue
                     t0 = time.monotonic()
                     try:
                         run = self.point(c, n)
+                    except OverBudget as e:
+                        why = (f"programming {n:,} services: {e} (the budget per step"
+                               f"{', --quick' if cfg.quick else ''})")
+                        run = Run.failed(why, services=n)
+                        over[c.name] = f"not tried: {why}"
                     finally:
                         c.stop()
                     run.detail["wall_s"] = round(time.monotonic() - t0, 2)
@@ -776,7 +803,7 @@ def run_cli(quick: bool, out: Path, kpx: str, sizes: list[int] | None,
                       contenders=tuple(contenders or CONTENDERS),
                       connections=connections or (300 if quick else 2000),
                       rate_seconds=1.0 if quick else 3.0, quick=quick, out=out, kpx=kpx,
-                      kpx_timeout=45.0 if quick else 120.0,
+                      kpx_timeout=45.0 if quick else 120.0, budget=30.0 if quick else 900.0,
                       keep_logs=keep_logs)
     if on_start:
         on_start()
