@@ -565,25 +565,32 @@ class Kpx(ProcessContender):
             argv += ["--workers", str(self.workers)]
         return argv
 
-    def start(self, path: str, state: str | None = None) -> None:
-        super().start(path)
-        t = self.target()
-        # NodePorts are the contender's own ports on every path; the ClusterIP's
-        # ports (VIP_PORTS) are what the clusterip path's target dials.
+    def launch(self, path: str, state: str | None) -> Proc:
+        """Write the state (``state``, or the bench's own for ``path``) and start ``kpx node``.
+
+        NodePorts are the contender's own ports on every path; the ClusterIP's
+        ports (VIP_PORTS) are what the clusterip path's target dials.
+        """
         udp_node_port = self.port_base + UDP_OFFSET if self.udp_service else None
         write_atomic(self.state_path,
                      state or bench_state(path, self.port_base, self.port_base + 1,
                                           etp=self.etp, udp_node_port=udp_node_port))
         self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
                          self.log_dir, nofile=nofile_hard_limit()).start()
+        return self.proc
+
+    def start(self, path: str, state: str | None = None) -> None:
+        super().start(path)
+        t = self.target()
+        proc = self.launch(path, state)
         if path != "clusterip":
-            self.wait_listening(self.proc, {t.http_port, t.bulk_port}, self.start_timeout)
+            self.wait_listening(proc, {t.http_port, t.bulk_port}, self.start_timeout)
             return
         # kpx listens on its NodePorts, but not on the VIP: ready once a GET
         # through the VIP answers (the routes and rules are put in force after
         # the first sync, in the background).
-        self.wait_listening(self.proc, {self.port_base, self.port_base + 1}, self.start_timeout)
-        self.wait_answering(self.proc)
+        self.wait_listening(proc, {self.port_base, self.port_base + 1}, self.start_timeout)
+        self.wait_answering(proc)
 
     def wait_answering(self, proc: Proc) -> None:
         """Until a GET through the target answers: for rules put in force after a sync."""
@@ -637,13 +644,7 @@ class KpxNfqueue(Kpx):
     def start(self, path: str, state: str | None = None) -> None:
         # Nothing listens in this mode: ready once a GET through the target answers.
         ProcessContender.start(self, path)
-        udp_node_port = self.port_base + UDP_OFFSET if self.udp_service else None
-        write_atomic(self.state_path,
-                     state or bench_state(path, self.port_base, self.port_base + 1,
-                                          etp=self.etp, udp_node_port=udp_node_port))
-        self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
-                         self.log_dir, nofile=nofile_hard_limit()).start()
-        self.wait_answering(self.proc)
+        self.wait_answering(self.launch(path, state))
 
 
 CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq")
