@@ -288,7 +288,7 @@ class NfqueueDataplane:
         self._sock: netlink.QueueSocket | None = None
         self._mechanism: rules.Mechanism | None = None
         self._slots = Slots(self.cfg.layout.max_index)
-        self._written: rules.Elements | None = None
+        self._written: rules.Served | None = None
         """What the table holds, as kpx last wrote it; None: not known, write it whole."""
         self._whole_at = time.monotonic()
         """When the whole table was last written (``install`` counts)."""
@@ -355,12 +355,11 @@ class NfqueueDataplane:
                 served = served_for(plans, hosts, targets, udp_plans)
                 # Off the loop: at tens of thousands of services the text takes a
                 # while, and SYNs keep being decided meanwhile (the plans are immutable).
-                el = await asyncio.to_thread(rules.elements, served, self.cfg.layout)
                 if self._mechanism is None:
-                    self._mechanism = await asyncio.to_thread(rules.install, self.cfg, el)
+                    self._mechanism = await asyncio.to_thread(rules.install, self.cfg, served)
                 else:
-                    await self._write(el, self._mechanism)
-                self._written = el
+                    await self._write(served, self._mechanism)
+                self._written = served
             except (OSError, ValueError, RuntimeError) as exc:
                 self._written = None  # unknown now: the next attempt writes the whole table
                 log.error("nfqueue: generation %d not put in force: %s; the last one stays",
@@ -387,7 +386,7 @@ class NfqueueDataplane:
                      len({ep for fe in marks.values() for ep in fe}))
             await self._clean_udp(udp_plans)
 
-    async def _write(self, el: rules.Elements, mechanism: rules.Mechanism) -> None:
+    async def _write(self, served: rules.Served, mechanism: rules.Mechanism) -> None:
         """Make the table hold ``el``: the change since the last write, else the whole table.
 
         The change is a few elements per endpoint that moved, where the whole
@@ -400,7 +399,8 @@ class NfqueueDataplane:
         if time.monotonic() - self._whole_at >= FULL_SYNC_PERIOD:
             self._written = None  # re-check: whatever was changed by hand goes
         if self._written is not None:
-            delta = rules.update_script(table, self._written, el)
+            delta = await asyncio.to_thread(rules.update_script, table, self._written, served,
+                                            self.cfg.layout)
             if not delta:
                 return
             res = await spawn.run(["nft", "-f", "-"], delta)
@@ -408,7 +408,7 @@ class NfqueueDataplane:
                 return
             log.warning("nfqueue: table %s is not as kpx left it (%s); writing it whole",
                         table, res.stderr.strip() or res.returncode)
-        script = await asyncio.to_thread(rules.nft_script, self.cfg, el, mechanism)
+        script = await asyncio.to_thread(rules.nft_script, self.cfg, served, mechanism)
         res = await spawn.run(["nft", "-f", "-"], script)
         if res.returncode != 0:
             raise RuntimeError(f"nft -f: {res.stderr.strip() or res.returncode}")

@@ -261,63 +261,88 @@ class Elements(NamedTuple):
     maps: dict[str, dict[str, str]]
 
 
+def _pair(a: str, p: int) -> str:
+    return f"{_ipv4(a)} . {_port(p)}"
+
+
+def _sets(served: Served) -> dict[str, frozenset[int] | frozenset[Endpoint] | frozenset[str]]:
+    return {"ports": served.ports, "pairs": served.pairs, "udp_ports": served.udp_ports,
+            "udp_pairs": served.udp_pairs, "vips": served.vips}
+
+
+def _set_element(name: str, item: int | Endpoint | str) -> str:
+    if name in ("ports", "udp_ports"):
+        return _port(item)  # type: ignore[arg-type]
+    if name == "vips":
+        return _ipv4(item)  # type: ignore[arg-type]
+    a, p = item  # type: ignore[misc]
+    return _pair(a, p)
+
+
+def _target_key(fe: Frontend, slot: int, layout: MarkLayout) -> tuple[str, str]:
+    """``(map name, key text)`` of ``slot`` at frontend ``fe``."""
+    vip, proto, port = fe
+    if proto not in ("tcp", "udp"):
+        raise ValueError(f"frontend protocol {proto!r}: tcp or udp")
+    if vip is None:
+        return "np_targets", f"{layout.key(slot):#010x} . {proto} . {_port(port)}"
+    return "vip_targets", f"{layout.key(slot):#010x} . {_ipv4(vip)} . {proto} . {_port(port)}"
+
+
 def elements(served: Served, layout: MarkLayout) -> Elements:
-    """Render ``served``'s elements (pure); ValueError for a bad port, address, slot or protocol.
-
-    The same text makes the whole table (``nft_script``) and the changes
-    between two of them (``update_script``), so a delta is the difference of
-    what two full tables would hold, element for element.
-    """
-    def pair(a: str, p: int) -> str:
-        return f"{_ipv4(a)} . {_port(p)}"
-
-    sets = {
-        "ports": frozenset(_port(p) for p in served.ports),
-        "pairs": frozenset(pair(a, p) for a, p in served.pairs),
-        "udp_ports": frozenset(_port(p) for p in served.udp_ports),
-        "udp_pairs": frozenset(pair(a, p) for a, p in served.udp_pairs),
-        "vips": frozenset(_ipv4(a) for a in served.vips),
-    }
+    """Render ``served``'s elements (pure); ValueError for a bad port, address, slot or protocol."""
+    sets = {name: frozenset(_set_element(name, x) for x in items)
+            for name, items in _sets(served).items()}
     maps: dict[str, dict[str, str]] = {"np_targets": {}, "vip_targets": {}}
-    for (vip, proto, port), slots in served.targets.items():
-        if proto not in ("tcp", "udp"):
-            raise ValueError(f"frontend protocol {proto!r}: tcp or udp")
-        front = (f"{proto} . {_port(port)}" if vip is None
-                 else f"{_ipv4(vip)} . {proto} . {_port(port)}")
-        into = maps["np_targets" if vip is None else "vip_targets"]
+    for fe, slots in served.targets.items():
         for i, (a, p) in slots.items():
-            into[f"{layout.key(i):#010x} . {front}"] = pair(a, p)
+            name, key = _target_key(fe, i, layout)
+            maps[name][key] = _pair(a, p)
     return Elements(sets, maps)
 
 
-def update_script(table: str, old: Elements, new: Elements) -> str:
+def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> str:
     """The one transaction that turns table ``table`` from ``old`` into ``new``; "" if equal.
 
     Deletions first: a map key whose endpoint changed is deleted and added
     again. Atomic like the full script, and as long as the change rather
     than the table: at 30,000 services a changed endpoint is a few elements
-    where the whole table is hundreds of thousands. It fails as a whole
-    (nothing changes) if the table is not what ``old`` says, e.g. an element
-    to delete is missing; the caller then writes the whole table.
+    where the whole table is hundreds of thousands, and only those are
+    rendered (a frontend whose slots are unchanged is one dict comparison).
+    It fails as a whole (nothing changes) if the table is not what ``old``
+    says, e.g. an element to delete is missing; the caller then writes the
+    whole table.
     """
-    dels: list[str] = []
-    adds: list[str] = []
+    dels: dict[str, list[str]] = {}
+    adds: dict[str, list[str]] = {}
+    olds, news = _sets(old), _sets(new)
     for name in SETS:
-        gone, came = old.sets[name] - new.sets[name], new.sets[name] - old.sets[name]
+        o, n = olds[name], news[name]
+        if o == n:
+            continue
+        gone = sorted(_set_element(name, x) for x in o - n)  # type: ignore[operator]
+        came = sorted(_set_element(name, x) for x in n - o)  # type: ignore[operator]
         if gone:
-            dels.append(f"delete element ip {table} {name} {{ {', '.join(sorted(gone))} }}\n")
+            dels[name] = gone
         if came:
-            adds.append(f"add element ip {table} {name} {{ {', '.join(sorted(came))} }}\n")
-    for name in MAPS:
-        o, n = old.maps[name], new.maps[name]
-        gone = sorted(k for k, v in o.items() if n.get(k) != v)
-        came = sorted(k for k, v in n.items() if o.get(k) != v)
-        if gone:
-            dels.append(f"delete element ip {table} {name} {{ {', '.join(gone)} }}\n")
-        if came:
-            body = ", ".join(f"{k} : {n[k]}" for k in came)
-            adds.append(f"add element ip {table} {name} {{ {body} }}\n")
-    return "".join(dels + adds)
+            adds[name] = came
+    for fe in old.targets.keys() | new.targets.keys():
+        o_slots, n_slots = old.targets.get(fe, {}), new.targets.get(fe, {})
+        if o_slots == n_slots:
+            continue
+        for i, ep in o_slots.items():
+            if n_slots.get(i) != ep:
+                name, key = _target_key(fe, i, layout)
+                dels.setdefault(name, []).append(key)
+        for i, ep in n_slots.items():
+            if o_slots.get(i) != ep:
+                name, key = _target_key(fe, i, layout)
+                adds.setdefault(name, []).append(f"{key} : {_pair(*ep)}")
+    out = [f"delete element ip {table} {name} {{ {', '.join(sorted(items))} }}\n"
+           for name, items in dels.items()]
+    out += [f"add element ip {table} {name} {{ {', '.join(sorted(items))} }}\n"
+            for name, items in adds.items()]
+    return "".join(out)
 
 
 def nft_script(cfg: QueueConfig, served: Served | Elements,

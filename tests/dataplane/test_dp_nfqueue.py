@@ -455,9 +455,8 @@ def test_a_change_is_written_as_its_elements_and_ends_where_the_whole_table_woul
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     lay = CFG.layout
-    old, new = rules.elements(OLD, lay), rules.elements(NEW, lay)
-    delta = rules.update_script(CFG.table, old, new)
-    assert rules.update_script(CFG.table, new, new) == ""
+    delta = rules.update_script(CFG.table, OLD, NEW, lay)
+    assert rules.update_script(CFG.table, NEW, NEW, lay) == ""
     # Only what changed: a port each way, the UDP port, the moved endpoint (out, then in).
     assert "30081" in delta and "30082" in delta and "30053" in delta
     assert "10.244.3.5" in delta and "10.244.1.5 . 8080" not in delta
@@ -480,8 +479,7 @@ def test_a_change_to_a_table_that_is_not_as_written_is_refused_whole() -> None:
     the whole table)."""
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
-    lay = CFG.layout
-    delta = rules.update_script(CFG.table, rules.elements(OLD, lay), rules.elements(NEW, lay))
+    delta = rules.update_script(CFG.table, OLD, NEW, CFG.layout)
 
     def tamper_then_apply() -> tuple[int, str, str]:
         subprocess.run(["nft", "-f", "-"], input=rules.nft_script(CFG, OLD), text=True,
