@@ -85,6 +85,8 @@ log = logging.getLogger(__name__)
 UDP_FLOW_LIMIT = 4096
 """Default ``--udp-flow-limit``: a socket each, next to the TCP relays' two per connection."""
 LOG_EACH_LISTENER_UP_TO = 32
+VIPS_SETTLE = 5.0
+"""Seconds a stopping kpx lets a VIP change in flight finish before cancelling it."""
 RECONCILE_BATCH = 128
 """Listener operations (open, close, filter) per slice of the loop: about 2 ms of binds.
 
@@ -633,6 +635,22 @@ class Dataplane:
         """
         self._close_listeners()
         self.forwarder.flush_metrics()
+        await self._settle_vips()
+
+    async def _settle_vips(self, timeout: float = VIPS_SETTLE) -> None:
+        """Let a VIP change in flight finish (or cancel it after ``timeout``).
+
+        It holds the namespace's routing lock across its ``ip``/``nft`` runs, on
+        this loop; ``close`` then takes the same lock blocking the loop, so a
+        change still in flight would hold it until the lock's timeout.
+        """
+        task = self._vips_task
+        if task is None or task.done():
+            return
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def _close_listeners(self) -> None:
         """No new connections from here on: every listener closed, no retries."""
