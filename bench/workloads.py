@@ -105,6 +105,20 @@ def _client(topo: Topology, c: Contender, argv: list[str], timeout: float
     return sh(topo.exec_argv(c.client_role, argv), check=False, timeout=timeout)
 
 
+def _client_json(topo: Topology, c: Contender, argv: list[str], timeout: float, what: str
+                 ) -> dict[str, Any] | Run:
+    """``_client`` for bench's own clients, which end with one JSON line: that line, or the
+    failed Run naming ``what`` and the output's tail."""
+    try:
+        cp = _client(topo, c, argv, timeout)
+    except CommandError as e:
+        return Run.failed(f"{what}: {e}")
+    try:
+        return dict(json.loads(cp.stdout.strip().splitlines()[-1]))
+    except (IndexError, ValueError, TypeError):
+        return Run.failed(f"{what} rc={cp.returncode}: {(cp.stderr or cp.stdout)[-300:]}")
+
+
 def _socket_states(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """TCP socket counts by state, per role: one read of each namespace's table."""
     return {r: topo.thread(r).call(count_states) for r in roles}
@@ -149,15 +163,11 @@ def bulk(topo: Topology, c: Contender, s: Settings) -> Run:
     secs = s.durations["bulk"]
     if s.bulk_tool == "iperf3":
         return _bulk_iperf3(topo, c, s)
-    try:
-        cp = _client(topo, c, [sys.executable, "-m", "bench.bulk", "source", "--host", t.ip,
-                            "--port", str(t.bulk_port), "--seconds", str(secs)], secs + 90)
-    except CommandError as e:
-        return Run.failed(f"bulk sender: {e}")
-    try:
-        out = json.loads(cp.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return Run.failed(f"bulk sender rc={cp.returncode}: {(cp.stderr or cp.stdout)[-300:]}")
+    out = _client_json(topo, c, [sys.executable, "-m", "bench.bulk", "source", "--host", t.ip,
+                                 "--port", str(t.bulk_port), "--seconds", str(secs)],
+                       secs + 90, "bulk sender")
+    if isinstance(out, Run):
+        return out
     detail = {"bytes_sent": out.get("sent"), "bytes_received": out.get("received"),
               "seconds": out.get("seconds"), "tool": "bench.bulk (1 MiB sendall/recv_into)"}
     if out.get("error"):
@@ -342,14 +352,10 @@ def udp(topo: Topology, c: Contender, s: Settings) -> Run:
             "--flows", str(s.udp_flows), "--size", str(s.udp_size), "--seconds", f"{secs:g}",
             "--max-requests", str(s.udp_max_requests), "--timeout", f"{s.udp_timeout:g}",
             "--warmup-timeout", f"{s.udp_warmup_timeout:g}", "--max-loss", f"{s.udp_max_loss:g}"]
-    try:
-        cp = _client(topo, c, argv, secs + s.udp_warmup_timeout + s.udp_timeout + 60)
-    except CommandError as e:
-        return Run.failed(f"udp client: {e}")
-    try:
-        out = json.loads(cp.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return Run.failed(f"udp client rc={cp.returncode}: {(cp.stderr or cp.stdout)[-300:]}")
+    out = _client_json(topo, c, argv, secs + s.udp_warmup_timeout + s.udp_timeout + 60,
+                       "udp client")
+    if isinstance(out, Run):
+        return out
     detail: dict[str, Any] = {k: v for k, v in out.items() if k != "samples_ns"}
     detail["requests"] = out.get("replies", 0)
     detail["who"] = who

@@ -146,8 +146,11 @@ class UdpEntry(NamedTuple):
     """The reply direction's source: the endpoint a DNATed flow went to."""
 
 
-def serving(udp_plans: Mapping[PlanKey, PortPlan]
-            ) -> tuple[dict[tuple[str, int], frozenset[str]], dict[int, frozenset[str]]]:
+Serving = tuple[dict[tuple[str, int], frozenset[str]], dict[int, frozenset[str]]]
+"""What ``serving`` returns: endpoint IPs by ``(vip, port)`` and by nodePort."""
+
+
+def serving(udp_plans: Mapping[PlanKey, PortPlan]) -> Serving:
     """The endpoint IPs each UDP frontend may keep flows to: by ``(vip, port)`` and by nodePort.
 
     A plan without endpoints is left out, as kube-proxy leaves it: its
@@ -185,7 +188,12 @@ def stale_udp(entries: Iterable[UdpEntry], udp_plans: Mapping[PlanKey, PortPlan]
     userspace mode's flows are held to (``decision.still_eligible``), where
     kube-proxy keeps flows to serving-terminating endpoints as well.
     """
-    by_vip, by_node_port = serving(udp_plans)
+    return _stale(entries, serving(udp_plans), local_addresses)
+
+
+def _stale(entries: Iterable[UdpEntry], wanted: Serving,
+           local_addresses: Collection[str]) -> list[UdpEntry]:
+    by_vip, by_node_port = wanted
     if not by_vip and not by_node_port:
         return []
     out: list[UdpEntry] = []
@@ -199,14 +207,14 @@ def stale_udp(entries: Iterable[UdpEntry], udp_plans: Mapping[PlanKey, PortPlan]
     return out
 
 
-def clean_stale_udp(udp_plans: Mapping[PlanKey, PortPlan],
-                    local_addresses: Collection[str]) -> int:
-    """Delete the entries ``stale_udp`` names from this namespace's conntrack; returns how many.
+def clean_stale_udp(wanted: Serving, local_addresses: Collection[str]) -> int:
+    """Delete the entries ``stale_udp`` names for ``wanted`` (``serving``'s answer) from this
+    namespace's conntrack; returns how many.
 
     Blocking (ctnetlink through pyroute2): run it off the event loop. An
     entry that expired meanwhile is not an error.
     """
-    if serving(udp_plans) == ({}, {}):
+    if wanted == ({}, {}):
         return 0
     # Imported here: only nfqueue mode with UDP services needs ctnetlink.
     from pyroute2 import Conntrack
@@ -222,7 +230,7 @@ def clean_stale_udp(udp_plans: Mapping[PlanKey, PortPlan],
                 continue
             entries.append(UdpEntry(o.saddr, o.sport, o.daddr, o.dport, r.saddr))
         deleted = 0
-        for e in stale_udp(entries, udp_plans, local_addresses):
+        for e in _stale(entries, wanted, local_addresses):
             try:
                 ct.entry("del", tuple_orig=NFCTAttrTuple(
                     saddr=e.src, daddr=e.dst, proto=UDP, sport=e.sport, dport=e.dport))

@@ -435,7 +435,7 @@ class NfqueueDataplane:
             return
         local = self.local_addresses
         try:
-            n = await asyncio.to_thread(conntrack.clean_stale_udp, udp_plans, local)
+            n = await asyncio.to_thread(conntrack.clean_stale_udp, wanted, local)
         except OSError as exc:
             log.error("nfqueue: stale UDP conntrack entries not deleted: %s", exc)
             return

@@ -255,7 +255,7 @@ MAPS = ("np_targets", "vip_targets")
 
 
 class Elements(NamedTuple):
-    """``served`` as nft writes it: each set's elements, each map's key -> value (text)."""
+    """``served`` as the full script writes it: each set's elements, each map's key -> value."""
 
     sets: dict[str, frozenset[str]]
     maps: dict[str, dict[str, str]]
@@ -345,8 +345,7 @@ def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> s
     return "".join(out)
 
 
-def nft_script(cfg: QueueConfig, served: Served | Elements,
-               mechanism: Mechanism = "xt") -> str:
+def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") -> str:
     """The nft transaction that makes table ``cfg.table`` exactly this, atomically.
 
     Declaring then deleting the table first makes a leftover (a killed kpx,
@@ -355,7 +354,7 @@ def nft_script(cfg: QueueConfig, served: Served | Elements,
     port, address or slot, before anything runs.
     """
     lay = cfg.layout
-    el = served if isinstance(served, Elements) else elements(served, lay)
+    el = elements(served, lay)
     ports, pairs, udp_ports, udp_pairs, vips = (_elements(sorted(el.sets[n])) for n in SETS)
     np_targets, vip_targets = (_elements(f"{k} : {v}" for k, v in sorted(el.maps[n].items()))
                                for n in MAPS)
@@ -560,8 +559,7 @@ def _kpx_saved(comment: str) -> list[list[str]] | None:
     return None if save is None else kpx_rules(save, comment)
 
 
-def install(cfg: QueueConfig, served: Served | Elements,
-            mechanism: Mechanism | None = None) -> Mechanism:
+def install(cfg: QueueConfig, served: Served, mechanism: Mechanism | None = None) -> Mechanism:
     """Make the namespace queue ``served`` SYNs and act on verdicts; idempotent.
 
     ``mechanism`` None: probe the kernel (``nft_queue_supported``) and log
@@ -586,7 +584,7 @@ def install(cfg: QueueConfig, served: Served | Elements,
     return mechanism
 
 
-def sync(cfg: QueueConfig, served: Served | Elements, mechanism: Mechanism) -> None:
+def sync(cfg: QueueConfig, served: Served, mechanism: Mechanism) -> None:
     """Replace the table with one serving ``served``, atomically (the rules stay as they are)."""
     _nft(nft_script(cfg, served, mechanism), f"table ip {cfg.table}")
 
