@@ -194,6 +194,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         " to take them over; at most --shutdown-grace, 0: stop at once (default 2s)",
     )
     parser.add_argument(
+        "--takeover-wait", type=parse_timeout, default=0.0, metavar="DURATION",
+        help="when another kpx node serves this namespace, wait this long for it to stop and"
+        " take its listeners over, instead of exiting at once (a DaemonSet's surge pod;"
+        " default 0)",
+    )
+    parser.add_argument(
         "--proxy-mode", choices=PROXY_MODES, default="userspace",
         help="userspace: relay every connection (default); nfqueue: decide each SYN in"
         " Python, let conntrack DNAT forward the rest in the kernel",
@@ -602,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # One process takes the old one's listening sockets over; --workers
         # cannot share them, so they wait for the owner name (and bind anew).
-        ownership = Ownership.acquire(listeners=args.workers <= 1)
+        ownership = Ownership.acquire(listeners=args.workers <= 1, standby=args.takeover_wait)
     except OwnershipError as e:
         log.error("%s", e)
         return 1

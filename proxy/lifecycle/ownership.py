@@ -215,7 +215,7 @@ class Ownership:
 
     @classmethod
     def acquire(cls, base: str = BASE_NAME, successor_wait: float = SUCCESSOR_WAIT,
-                listeners: bool = True) -> Ownership:
+                listeners: bool = True, standby: float = 0.0) -> Ownership:
         """Take the owner name (or a stopping owner's handover), then announce presence.
 
         Owner first: a mistaken second instance must not even look present,
@@ -229,7 +229,29 @@ class Ownership:
         nothing (the ``--workers`` supervisor, or an owner between its
         window's end and its exit), it waits up to ``successor_wait`` for the
         owner name.
+
+        ``standby`` seconds (``--takeover-wait``): an owner that serves and is
+        not stopping is waited for instead of refused, polling every
+        ``STANDBY_POLL``, and taken over as soon as it starts to stop. That is
+        a DaemonSet's surge pod: it starts beside the old pod (one network
+        namespace, the node's), the old pod is deleted once the new one is
+        ready, and its SIGTERM is the handover this process was waiting for.
         """
+        standby_until = time.monotonic() + standby
+        said = False
+        while standby > 0:
+            holder = owner_pid(base)
+            if holder is None and not _taken(base):
+                break  # free: claim it below
+            if _stopping(base, holder) and holder is not None:
+                break
+            if time.monotonic() >= standby_until:
+                raise OwnershipError(_conflict_message(base))
+            if not said:
+                said = True
+                log.info("kpx node (pid %s) serves this network namespace; standing by to "
+                         "take over when it stops (up to %.0fs)", holder, standby)
+            time.sleep(STANDBY_POLL)
         deadline = time.monotonic() + successor_wait
         asked = False
         busy_until: float | None = None
@@ -378,6 +400,21 @@ class Ownership:
             if s is not None:
                 s.close()
                 setattr(self, attr, None)
+
+
+STANDBY_POLL = 0.1
+"""How often a standing-by successor looks for its owner's handover name: well
+inside the owner's ``--handover-wait``, and cheap (one connect, one read of
+``/proc/net/unix``)."""
+
+
+def _taken(base: str) -> bool:
+    """Is the owner name bound (by a process this one cannot name, perhaps)?"""
+    try:
+        _bind(base).close()
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
 
 
 BUSY_GRACE = 0.5

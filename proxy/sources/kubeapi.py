@@ -1,7 +1,10 @@
 """The Kubernetes API source: list and watch, cache, parse, publish good snapshots.
 
 Owns: reaching the API server (``KubeConfig``: in-cluster, a kubeconfig file
-or ``--master``, resolved the way kube-proxy resolves them), one list+watch
+or ``--master``, resolved the way kube-proxy resolves them, with every
+credential a kubeconfig holds: client certificates, tokens and token files,
+exec plugins, ``tls-server-name``, ``proxy-url``, ``insecure-skip-tls-verify``;
+kubernetes_asyncio reads the file and runs the plugins), one list+watch
 per kind kube-proxy watches, an in-memory cache of the raw objects, and
 turning that cache into ``Snapshot``s on a ``StateHub`` through
 ``proxy.k8s.parse_objects``: the very checks a state file goes through.
@@ -62,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import os
@@ -194,6 +198,10 @@ class KubeConfig:
     token_file: Path | None = None
     insecure_skip_tls_verify: bool = False
     tls_server_name: str | None = None
+    proxy_url: str | None = None
+    """``proxy-url``: an http(s) proxy every request goes through (CONNECT for https)."""
+    exec_plugin: ExecPlugin | None = field(default=None, repr=False)
+    """A kubeconfig ``exec`` user's plugin: the source of the token (or certificate)."""
     _file_token: str | None = field(default=None, init=False, repr=False)
     _file_token_read: float | None = field(default=None, init=False, repr=False)
 
@@ -259,78 +267,122 @@ class KubeConfig:
     ) -> KubeConfig:
         """The current context (or ``context``) of a kubeconfig file.
 
-        Relative file paths count from the kubeconfig's directory, as in
-        client-go. ``master`` replaces the cluster's server and, like a
+        The file is walked with kubernetes_asyncio's ``ConfigNode`` (contexts,
+        clusters and users by name, each error naming the field it is about)
+        and an ``exec`` user runs through its ``ExecProvider``; both are
+        imported here, so a node fed by a state file never loads them.
+        Certificate and key *data* stay in memory (the library's
+        ``FileOrData`` would write them to temporary files that outlive a
+        crash). Relative file paths count from the kubeconfig's directory, as
+        in client-go. ``master`` replaces the cluster's server and, like a
         ``--server`` override in client-go, drops its ``tls-server-name``,
         which named the server being replaced.
         """
+        from kubernetes_asyncio.config.config_exception import ConfigException
+        from kubernetes_asyncio.config.kube_config import ConfigNode
+
         path = Path(path)
+        where = f"kubeconfig {path}"
         try:
             doc = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as e:
-            raise KubeConfigError(f"kubeconfig {path}: {e.strerror or e}") from e
-        except yaml.YAMLError as e:
-            raise KubeConfigError(f"kubeconfig {path}: not YAML: {e}") from e
+            raise KubeConfigError(f"{where}: {e.strerror or e}") from e
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise KubeConfigError(f"{where}: not YAML: {e}") from e
         if type(doc) is not dict:
-            raise KubeConfigError(f"kubeconfig {path}: expected a mapping")
+            raise KubeConfigError(f"{where}: expected a mapping")
+        root = ConfigNode("kubeconfig", doc, str(path))
         name = context or doc.get("current-context")
-        cluster: dict[str, Any] = {}
-        user: dict[str, Any] = {}
-        user_name = ""
-        if name:
-            ctx = _named(doc, "contexts", name, "context", path)
-            cluster = _named(doc, "clusters", ctx.get("cluster"), "cluster", path)
-            user_name = ctx.get("user") or ""
-            if user_name:
-                user = _named(doc, "users", user_name, "user", path)
-        elif not master:
-            raise KubeConfigError(f"kubeconfig {path}: no current-context")
+        cluster: Any = ConfigNode("cluster", {})
+        user: Any = None
+        try:
+            if name:
+                ctx = root["contexts"].get_with_name(name)["context"]
+                cluster = root["clusters"].get_with_name(ctx["cluster"])["cluster"]
+                user_name = ctx.safe_get("user")
+                if user_name and root.safe_get("users"):
+                    found = root["users"].get_with_name(user_name, safe=True)
+                    user = found["user"] if found is not None else None
+                    if user is not None and type(user.value) is not dict:
+                        raise KubeConfigError(f"{where}: {user.name}: not a mapping")
+            elif not master:
+                raise KubeConfigError(f"{where}: no current-context")
+            if type(cluster.value) is not dict:
+                raise KubeConfigError(f"{where}: {cluster.name}: not a mapping")
+            config = cls._from_nodes(where, path.parent, name, cluster, user, master)
+        except ConfigException as e:
+            raise KubeConfigError(f"{where}: {_without_prefix(str(e))}") from e
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            # A list where a mapping belongs, and the like: still the file's fault.
+            raise KubeConfigError(f"{where}: malformed ({type(e).__name__}: {e})") from e
+        return config
 
-        server = master or cluster.get("server")
+    @classmethod
+    def _from_nodes(
+        cls, where: str, base: Path, name: str | None, cluster: Any, user: Any, master: str | None
+    ) -> KubeConfig:
+        """One context's cluster and user (``ConfigNode``s) as a ``KubeConfig``."""
+        c, u = cluster.value, ({} if user is None else user.value)
+        cname = cluster.name
+        uname = "" if user is None else user.name
+        server = master or c.get("server")
         if not server or type(server) is not str:
-            raise KubeConfigError(
-                f"kubeconfig {path}: cluster {_context_cluster(doc, name)}: no server"
-            )
-        base = path.parent
-        where = f"kubeconfig {path}"
+            raise KubeConfigError(f"{where}: {cname}: no server")
+        proxy_url = c.get("proxy-url") or None
+        if proxy_url is not None:
+            proxy_url = _proxy_url(proxy_url, f"{where}: {cname}.proxy-url")
+        insecure = c.get("insecure-skip-tls-verify", False)
+        if type(insecure) is not bool:
+            raise KubeConfigError(f"{where}: {cname}.insecure-skip-tls-verify: not a boolean")
+        tls_name = c.get("tls-server-name") or None
+        if tls_name is not None and type(tls_name) is not str:
+            raise KubeConfigError(f"{where}: {cname}.tls-server-name: not a string")
+        token = u.get("token") or None
+        if token is not None and type(token) is not str:
+            raise KubeConfigError(f"{where}: {uname}.token: not a string")
         config = cls(
             server=_server_url(server),
             origin=f"{where} (context {name})" if name else f"{where}, --master",
-            ca_file=_path(cluster, "certificate-authority", base),
-            ca_data=_data(cluster, "certificate-authority-data", where),
-            client_cert_file=_path(user, "client-certificate", base),
-            client_cert_data=_data(user, "client-certificate-data", where),
-            client_key_file=_path(user, "client-key", base),
-            client_key_data=_data(user, "client-key-data", where),
-            token=user.get("token") or None,
-            token_file=_path(user, "tokenFile", base),
-            insecure_skip_tls_verify=cluster.get("insecure-skip-tls-verify") is True,
-            tls_server_name=None if master else cluster.get("tls-server-name") or None,
+            ca_file=_path(c, "certificate-authority", base, f"{where}: {cname}"),
+            ca_data=_data(c, "certificate-authority-data", f"{where}: {cname}"),
+            client_cert_file=_path(u, "client-certificate", base, f"{where}: {uname}"),
+            client_cert_data=_data(u, "client-certificate-data", f"{where}: {uname}"),
+            client_key_file=_path(u, "client-key", base, f"{where}: {uname}"),
+            client_key_data=_data(u, "client-key-data", f"{where}: {uname}"),
+            token=token,
+            token_file=_path(u, "tokenFile", base, f"{where}: {uname}"),
+            insecure_skip_tls_verify=insecure,
+            tls_server_name=None if master else tls_name,
+            proxy_url=proxy_url,
         )
         if config.insecure_skip_tls_verify and (config.ca_file or config.ca_data):
             # client-go refuses this too: which of the two did the author mean?
             raise KubeConfigError(
-                f"{where}: certificate-authority and insecure-skip-tls-verify are exclusive"
+                f"{where}: {cname}: certificate-authority and insecure-skip-tls-verify "
+                "are exclusive"
             )
         has_cert = (config.client_cert_file or config.client_cert_data) is not None
         has_key = (config.client_key_file or config.client_key_data) is not None
         if has_cert != has_key:
             raise KubeConfigError(
-                f"{where}: user {user_name}: a client certificate and its key come together"
+                f"{where}: {uname}: a client certificate and its key come together"
             )
-        if ("exec" in user or "auth-provider" in user) and not (
-            config.token or config.token_file or has_cert
-        ):
+        if "username" in u or "password" in u:
             raise KubeConfigError(
-                f"{where}: user {user_name} authenticates with an exec or auth-provider "
-                "plugin, which kpx does not run; give it a token or a client certificate"
+                f"{where}: {uname}: basic auth was removed from Kubernetes in 1.19"
             )
-        if "username" in user or "password" in user:
+        if "auth-provider" in u and not (token or config.token_file or has_cert):
             raise KubeConfigError(
-                f"{where}: user {user_name}: basic auth was removed from Kubernetes in 1.19"
+                f"{where}: {uname}.auth-provider: the in-tree auth providers were removed "
+                "from Kubernetes in 1.26; use an exec plugin (e.g. gke-gcloud-auth-plugin, "
+                "kubelogin) or a token"
             )
-        if cluster.get("proxy-url"):
-            log.warning("%s: proxy-url is not supported; connecting directly", where)
+        if "exec" in u:
+            if token or config.token_file:
+                # client-go sends a token the config already has and skips the plugin.
+                log.warning("%s: %s has a token: its exec plugin is not run", where, uname)
+            else:
+                config.exec_plugin = ExecPlugin.from_node(user["exec"], f"{where}: {uname}.exec")
         return config
 
     # -- using it ----------------------------------------------------------------------
@@ -342,9 +394,10 @@ class KubeConfig:
         """The TLS settings for an ``https`` server; None for plain ``http``.
 
         A CA, when given, is the only trust root (as in client-go); without
-        one the system roots apply. Client certificate data is written to a
-        private temporary directory only for as long as OpenSSL takes to
-        read it: ``load_cert_chain`` accepts nothing but file names.
+        one the system roots apply. Client certificate data (the
+        kubeconfig's, or an exec plugin's) is written to a private temporary
+        directory only for as long as OpenSSL takes to read it:
+        ``load_cert_chain`` accepts nothing but file names.
         """
         if not self.server.startswith("https://"):
             return None
@@ -358,11 +411,16 @@ class KubeConfig:
         if self.insecure_skip_tls_verify:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
-        if (self.client_cert_file or self.client_cert_data) is not None:
+        cert_file, cert_data = self.client_cert_file, self.client_cert_data
+        key_file, key_data = self.client_key_file, self.client_key_data
+        exec_cred = self.exec_plugin.credential if self.exec_plugin is not None else None
+        if exec_cred is not None and exec_cred.cert is not None:
+            cert_file, cert_data, key_file, key_data = None, exec_cred.cert, None, exec_cred.key
+        if (cert_file or cert_data) is not None:
             try:
                 with tempfile.TemporaryDirectory(prefix="kpx-tls-") as tmp:
-                    cert = _materialize(self.client_cert_file, self.client_cert_data, tmp, "crt")
-                    key = _materialize(self.client_key_file, self.client_key_data, tmp, "key")
+                    cert = _materialize(cert_file, cert_data, tmp, "crt")
+                    key = _materialize(key_file, key_data, tmp, "key")
                     ctx.load_cert_chain(cert, key)
             except (OSError, ssl.SSLError) as e:
                 raise KubeConfigError(f"client certificate ({self.origin}): {e}") from e
@@ -372,7 +430,8 @@ class KubeConfig:
         """The ``Authorization`` header value, re-reading ``token_file`` when stale.
 
         The last token read successfully wins over ``token``, as in
-        client-go; an unreadable file keeps the token already in hand.
+        client-go; an unreadable file keeps the token already in hand. An
+        exec plugin's token is the one ``refresh`` fetched last.
         """
         token = self.token
         if self.token_file is not None:
@@ -387,11 +446,214 @@ class KubeConfig:
                     self._file_token = fresh or self._file_token
                 self._file_token_read = now
             token = self._file_token or token
+        elif self.exec_plugin is not None and self.exec_plugin.credential is not None:
+            token = self.exec_plugin.credential.token
         return f"Bearer {token}" if token else None
 
+    async def refresh(self) -> bool:
+        """Run the exec plugin if its credential is missing or due; True if it ran.
+
+        Call before each request; ``authorization`` and ``ssl_context`` then
+        answer with the fresh credential. Raises ``CredentialError`` when the
+        plugin fails (the caller retries with backoff).
+        """
+        if self.exec_plugin is None:
+            return False
+        return await self.exec_plugin.refresh()
+
     def forget_token(self) -> None:
-        """After a 401: the token file may hold a rotated token already."""
+        """After a 401: the token file may hold a rotated token already, and a
+        plugin's credential may have been revoked early (client-go re-runs it)."""
         self._file_token_read = None
+        if self.exec_plugin is not None:
+            self.exec_plugin.invalidate()
+
+
+class CredentialError(Exception):
+    """An exec credential plugin failed or printed something kpx cannot use."""
+
+
+EXEC_API_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
+"""The ExecCredential versions a kubeconfig may ask for (v1alpha1 went in 1.24)."""
+
+EXEC_REFRESH_MARGIN = 300.0
+"""A plugin's credential is renewed this long before ``expirationTimestamp`` (the
+margin kubernetes_asyncio keeps), or a fifth of its lifetime if that is shorter."""
+
+
+EXEC_TIMEOUT = 60.0
+"""A plugin that has not answered in a minute has failed (a browser login it cannot show)."""
+
+EXEC_CANCEL_WAIT = 5.0
+"""How long a stop waits for a plugin already running to finish."""
+
+
+@dataclass(frozen=True)
+class ExecCredential:
+    """What one run of a plugin gave: a token, or a client certificate and key."""
+
+    token: str | None = field(repr=False)
+    cert: bytes | None = field(repr=False)
+    key: bytes | None = field(repr=False)
+    expires: float | None
+    """``expirationTimestamp`` as a Unix time; None: good until a 401."""
+    renew_at: float | None
+    """When to run the plugin again, ahead of ``expires``."""
+
+
+class ExecPlugin:
+    """A kubeconfig ``exec`` user: kubernetes_asyncio's ``ExecProvider`` runs the
+    command and checks its ExecCredential; this class decides when.
+
+    kubernetes_asyncio re-runs a plugin on every call when the credential has
+    no ``expirationTimestamp``, at every call once within 5 minutes of it
+    (so a short-lived credential is fetched per request), and only when its
+    caller polls. Here, as in client-go, a credential is kept until it is
+    due (``EXEC_REFRESH_MARGIN`` ahead of its expiry, so no request ever
+    carries an expired one) or until a 401 says it was revoked, and one run
+    serves every request waiting on it.
+    """
+
+    def __init__(self, provider: Any, where: str, clock: Callable[[], float] = time.time) -> None:
+        self.provider = provider
+        self.where = where
+        self.credential: ExecCredential | None = None
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self.runs = 0
+
+    @classmethod
+    def from_node(cls, node: Any, where: str) -> ExecPlugin:
+        from kubernetes_asyncio.config.config_exception import ConfigException
+        from kubernetes_asyncio.config.exec_provider import ExecProvider
+
+        if type(node.value) is not dict:
+            raise KubeConfigError(f"{where}: not a mapping")
+        version = node.value.get("apiVersion")
+        if version not in EXEC_API_VERSIONS:
+            raise KubeConfigError(
+                f"{where}.apiVersion: {version!r} is not one of {', '.join(EXEC_API_VERSIONS)}"
+            )
+        args = node.value.get("args")
+        if args is not None and (type(args) is not list or not all(type(a) is str for a in args)):
+            raise KubeConfigError(f"{where}.args: not a list of strings")
+        env = node.value.get("env")
+        if env is not None and (type(env) is not list or not all(
+            type(e) is dict and type(e.get("name")) is str and type(e.get("value")) is str
+            for e in env
+        )):
+            raise KubeConfigError(f"{where}.env: not a list of {{name, value}} strings")
+        try:
+            provider = ExecProvider(node)
+        except ConfigException as e:
+            raise KubeConfigError(f"{where}: {_without_prefix(str(e))}") from e
+        return cls(provider, where)
+
+    def due(self, now: float | None = None) -> bool:
+        cred = self.credential
+        if cred is None:
+            return True
+        now = self._clock() if now is None else now
+        return cred.renew_at is not None and now >= cred.renew_at
+
+    def invalidate(self) -> None:
+        self.credential = None
+
+    async def refresh(self) -> bool:
+        """Run the plugin if the credential is due (once, however many ask); True if it ran."""
+        if not self.due():
+            return False
+        async with self._lock:
+            if not self.due():  # another request ran it meanwhile
+                return False
+            self.credential = await self._run()
+            return True
+
+    async def _run(self) -> ExecCredential:
+        from kubernetes_asyncio.config.config_exception import ConfigException
+
+        self.runs += 1
+        started = self._clock()
+        run = asyncio.ensure_future(self.provider.run())
+        try:
+            status = await asyncio.wait_for(asyncio.shield(run), EXEC_TIMEOUT)
+        except (ConfigException, OSError) as e:
+            raise CredentialError(f"{self.where}: {_without_prefix(str(e))}") from e
+        except TimeoutError:
+            raise CredentialError(
+                f"{self.where}: the plugin gave no credential within {EXEC_TIMEOUT:.0f}s"
+            ) from None
+        except asyncio.CancelledError:
+            # Stopping: let the plugin's process finish and be reaped (bounded),
+            # rather than leave its pipes to a loop that is about to close.
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(run, EXEC_CANCEL_WAIT)
+            raise
+        if type(status) is not dict:
+            raise CredentialError(f"{self.where}: the plugin's status is not a mapping")
+        token = status.get("token") or None
+        cert = status.get("clientCertificateData") or None
+        key = status.get("clientKeyData") or None
+        if token is None and cert is None:
+            raise CredentialError(
+                f"{self.where}: the plugin's status has neither token nor clientCertificateData"
+            )
+        if (cert is None) != (key is None):
+            raise CredentialError(
+                f"{self.where}: the plugin's clientCertificateData and clientKeyData come together"
+            )
+        expires = renew_at = None
+        stamp = status.get("expirationTimestamp")
+        if stamp:
+            try:
+                expires = _rfc3339(str(stamp))
+            except ValueError as e:
+                raise CredentialError(
+                    f"{self.where}: the plugin's status.expirationTimestamp {stamp!r}: {e}"
+                ) from e
+            margin = min(EXEC_REFRESH_MARGIN, max(0.0, expires - started) / 5)
+            renew_at = expires - margin
+        log.info(
+            "exec plugin %s gave a %s%s",
+            self.provider.args[0],
+            "token" if token is not None else "client certificate",
+            f" valid until {stamp}" if stamp else " without expiry",
+        )
+        return ExecCredential(
+            token=token if type(token) is str else None,
+            cert=cert.encode() if type(cert) is str else None,
+            key=key.encode() if type(key) is str else None,
+            expires=expires,
+            renew_at=renew_at,
+        )
+
+
+def _rfc3339(text: str) -> float:
+    """An RFC 3339 time (``2024-05-01T10:00:00Z``) as a Unix time."""
+    from datetime import datetime
+
+    stamp = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if stamp.tzinfo is None:
+        raise ValueError("no time zone")
+    return stamp.timestamp()
+
+
+def _without_prefix(message: str) -> str:
+    """kubernetes_asyncio's messages say "Invalid kube-config file." first; kpx names the file."""
+    return message.removeprefix("Invalid kube-config file. ")
+
+
+def _proxy_url(value: object, where: str) -> str:
+    """A ``proxy-url`` aiohttp can use: http or https (client-go also takes socks5)."""
+    if type(value) is not str:
+        raise KubeConfigError(f"{where}: not a string")
+    scheme = value.partition("://")[0].lower()
+    if scheme not in ("http", "https"):
+        raise KubeConfigError(
+            f"{where}: {value!r}: kpx speaks to http and https proxies only"
+            + (" (not socks5)" if scheme.startswith("socks") else "")
+        )
+    return value
 
 
 def _server_url(server: str) -> str:
@@ -400,33 +662,12 @@ def _server_url(server: str) -> str:
     return server if "://" in server else f"https://{server}"
 
 
-def _context_cluster(doc: dict[str, Any], context: str | None) -> str:
-    """The cluster a context names, for error messages."""
-    for entry in doc.get("contexts") or ():
-        if type(entry) is dict and entry.get("name") == context:
-            ctx = entry.get("context")
-            if type(ctx) is dict:
-                return str(ctx.get("cluster"))
-    return "?"
-
-
-def _named(
-    doc: dict[str, Any], section: str, name: object, field_name: str, path: Path
-) -> dict[str, Any]:
-    """``doc[section][i][field_name]`` for the entry called ``name``."""
-    for entry in doc.get(section) or ():
-        if type(entry) is dict and entry.get("name") == name:
-            value = entry.get(field_name) or {}
-            if type(value) is not dict:
-                raise KubeConfigError(f"kubeconfig {path}: {section} {name}: not a mapping")
-            return value
-    raise KubeConfigError(f"kubeconfig {path}: no {field_name} named {name!r} in {section}")
-
-
-def _path(section: dict[str, Any], key: str, base: Path) -> Path | None:
+def _path(section: dict[str, Any], key: str, base: Path, where: str) -> Path | None:
     value = section.get(key)
-    if not value or type(value) is not str:
+    if not value:
         return None
+    if type(value) is not str:
+        raise KubeConfigError(f"{where}.{key}: not a string")
     return base / Path(value).expanduser()
 
 
@@ -437,7 +678,7 @@ def _data(section: dict[str, Any], key: str, where: str) -> bytes | None:
     try:
         return base64.b64decode(str(value), validate=False)
     except (binascii.Error, ValueError) as e:
-        raise KubeConfigError(f"{where}: {key}: not base64 ({e})") from e
+        raise KubeConfigError(f"{where}.{key}: not base64 ({e})") from e
 
 
 def _materialize(file: Path | None, data: bytes | None, tmp: str, suffix: str) -> str:
@@ -693,6 +934,15 @@ class KubeAPISource:
                     err,
                     delay,
                 )
+            except CredentialError as err:
+                delay = backoff.next()
+                log.error(
+                    "%s of %s: no credentials: %s; retrying in %.1fs",
+                    "list" if listing else "watch",
+                    kind.plural,
+                    err,
+                    delay,
+                )
             except (aiohttp.ClientError, TimeoutError, _StreamError) as err:
                 delay = backoff.next()
                 log.warning(
@@ -785,9 +1035,8 @@ class KubeAPISource:
         async with self._session.get(
             self._url(kind.path),
             params=params,
-            headers=self._headers(),
             timeout=timeout,
-            **self._tls(),
+            **await self._options(),
         ) as resp:
             await self._check(resp)
             async for line in _lines(resp.content, MAX_EVENT_BYTES):
@@ -886,22 +1135,33 @@ class KubeAPISource:
     def _url(self, path: str) -> str:
         return self.config.server + path
 
-    def _headers(self) -> dict[str, str]:
+    async def _options(self) -> dict[str, Any]:
+        """What every request carries: credentials (an exec plugin run first if
+        due), the TLS context, ``tls-server-name`` and ``proxy-url``."""
+        if await self.config.refresh() and self._ssl is not None:
+            plugin = self.config.exec_plugin
+            if plugin is not None and plugin.credential and plugin.credential.cert:
+                try:  # the plugin gave a new client certificate
+                    self._ssl = self.config.ssl_context()
+                except KubeConfigError as e:
+                    raise CredentialError(str(e)) from e
         auth = self.config.authorization()
-        return {"Authorization": auth} if auth else {}
-
-    def _tls(self) -> dict[str, Any]:
-        name = self.config.tls_server_name
-        return {"server_hostname": name} if name and self._ssl is not None else {}
+        options: dict[str, Any] = {"headers": {"Authorization": auth} if auth else {}}
+        if self._ssl is not None:
+            options["ssl"] = self._ssl
+            if self.config.tls_server_name:
+                options["server_hostname"] = self.config.tls_server_name
+        if self.config.proxy_url:
+            options["proxy"] = self.config.proxy_url
+        return options
 
     async def _get_json(self, path: str, params: dict[str, str]) -> dict[str, Any]:
         assert self._session is not None
         async with self._session.get(
             self._url(path),
             params=params,
-            headers=self._headers(),
             timeout=REQUEST_TIMEOUT,
-            **self._tls(),
+            **await self._options(),
         ) as resp:
             await self._check(resp)
             body = await resp.read()

@@ -97,6 +97,38 @@ def test_a_stopping_owner_hands_over_and_stays_present(base: str, holder: Holder
     assert live_pids(base) == set() and owner_pid(base) is None
 
 
+def test_standby_waits_for_a_serving_owner_and_takes_over_when_it_stops(
+    base: str, holder: Holder
+) -> None:
+    """``--takeover-wait``: a DaemonSet's surge pod starts while the old one serves;
+    it waits (no exit, no error) and takes over once the old one is told to stop."""
+    def stop_later() -> None:
+        time.sleep(0.6)  # the old pod serves on meanwhile
+        holder.do("stopping")
+        time.sleep(0.2)
+        holder.do("release")
+
+    timer = threading.Thread(target=stop_later)
+    timer.start()
+    t0 = time.monotonic()
+    own = Ownership.acquire(base, successor_wait=5.0, standby=10.0)
+    try:
+        waited = time.monotonic() - t0
+        timer.join()
+        assert 0.7 < waited < 3.0, waited
+        assert owner_pid(base) == os.getpid()
+    finally:
+        own.close()
+
+
+def test_standby_gives_up_after_its_wait(base: str, holder: Holder) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(OwnershipError, match="already serves this network namespace"):
+        Ownership.acquire(base, standby=0.4)
+    assert 0.4 <= time.monotonic() - t0 < 1.5
+    assert owner_pid(base) == holder.proc.pid and live_pids(base) == {holder.proc.pid}
+
+
 def test_a_killed_owner_frees_everything_at_once(base: str, holder: Holder) -> None:
     os.kill(holder.proc.pid, signal.SIGKILL)
     holder.proc.wait(timeout=5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,10 @@ class FakeAPIServer:
         self.ssl_context = ssl_context
         self.token = token
         """When set, requests without ``Authorization: Bearer <token>`` get 401."""
+        self.check_token: Callable[[str | None], bool] | None = None
+        """When set, it judges each request's bearer token (None: no header); False is a 401."""
+        self.unauthorized: list[str | None] = []
+        """The tokens answered 401, in order."""
         self.rv = 100
         self.objects: dict[str, dict[str, dict[str, Any]]] = {kind: {} for kind in KINDS}
         self.history: dict[str, list[tuple[int, dict[str, Any]]]] = {k: [] for k in KINDS}
@@ -223,7 +228,12 @@ class FakeAPIServer:
         if cert:
             peer = dict(pair[0] for pair in cert["subject"]).get("commonName")
         self.requests.append(Request(kind, watch, query, dict(request.headers), peer))
-        if self.token and request.headers.get("Authorization") != f"Bearer {self.token}":
+        auth = request.headers.get("Authorization")
+        bearer = auth.removeprefix("Bearer ") if auth and auth.startswith("Bearer ") else None
+        if (self.token and auth != f"Bearer {self.token}") or (
+            self.check_token is not None and not self.check_token(bearer)
+        ):
+            self.unauthorized.append(bearer)
             return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
         pending = self.failures.get((kind, watch))
         if pending:

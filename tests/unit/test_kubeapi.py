@@ -528,8 +528,14 @@ def test_master_overrides_the_kubeconfig_server(tmp_path: Path) -> None:
     ("change", "message"),
     [
         (lambda d: d.pop("current-context"), "no current-context"),
-        (lambda d: d.update({"current-context": "nope"}), "no context named 'nope'"),
-        (lambda d: d["users"][1].update(user={"exec": {"command": "aws"}}), "exec"),
+        (
+            lambda d: d.update({"current-context": "nope"}),
+            "Expected object with name nope in kubeconfig/contexts list",
+        ),
+        (
+            lambda d: d["users"][1].update(user={"exec": {"command": "aws"}}),
+            r"users\[name=proxy\]/user.exec.apiVersion: None is not one of",
+        ),
         (
             lambda d: d["users"][1].update(user={"client-certificate-data": b64("x")}),
             "come together",
