@@ -90,6 +90,7 @@ class NodeInfo:
     name: str
     ip: str
     pod_cidr: str
+    """Its pod networks, comma-separated (a mirrored cluster's node may have several)."""
 
 
 # --- the API server's part ---------------------------------------------------------
@@ -466,7 +467,8 @@ def node_objects(nodes: Sequence[NodeInfo]) -> list[dict[str, Any]]:
         "kind": "Node",
         "metadata": {"name": n.name, "uid": _stable_uid("Node", n.name),
                      "labels": {"kubernetes.io/hostname": n.name, "kubernetes.io/os": "linux"}},
-        "spec": {"podCIDR": n.pod_cidr, "podCIDRs": [n.pod_cidr]},
+        "spec": ({"podCIDR": cidrs[0], "podCIDRs": cidrs}
+                 if (cidrs := [c for c in n.pod_cidr.split(",") if c]) else {}),
         "status": {"addresses": [{"type": "InternalIP", "address": n.ip},
                                  {"type": "Hostname", "address": n.name}]},
     } for n in nodes]
