@@ -354,8 +354,9 @@ def _services(raw: list[tuple[str, Mapping[str, Any]]], r: _Reader,
         meta = r.mapping(obj, "metadata", where)
         labels = r.mapping(meta, "labels", f"{where}: metadata")
         spec = r.mapping(obj, "spec", where)
-        if not spec:
+        if obj.get("spec") is None:
             r.problems.append(f"{where}: spec: required")
+        if not spec:
             continue
         stype = spec.get("type", "ClusterIP")
         if HEADLESS_LABEL in labels or SERVICE_PROXY_NAME_LABEL in labels:
