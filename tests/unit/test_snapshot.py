@@ -182,3 +182,10 @@ async def test_bad_kubeconfig_is_one_clear_line(tmp_path: Path) -> None:
     rc, _, err = await kpx("snapshot", "--kubeconfig", str(bad))
     assert rc == 1
     assert last_line(err).startswith("kpx snapshot: ") and "Traceback" not in err
+
+
+async def test_kubectl_style_fixture_passes_kpx_check() -> None:
+    """``kubectl get nodes,svc,endpointslices -A -o yaml`` keeps working as a state file."""
+    rc, stdout, err = await kpx("check", str(FIXTURE))
+    assert rc == 0, err
+    assert stdout.endswith("ok: 3 nodes, 5 services (2 with NodePorts), 5 endpoint slices\n")
