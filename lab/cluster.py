@@ -609,7 +609,8 @@ class Lab(Traffic, Pods):
         self.procs.wait_ready(waits, self.ready_timeout, self.prefix)
 
     def _node_infos(self) -> list[NodeInfo]:
-        return [NodeInfo(n, self.node_ip(n), ",".join(self.plan.pod_networks_of(n)))
+        return [NodeInfo(n, self.node_ip(n), ",".join(self.plan.pod_networks_of(n)),
+                         self.spec.node_fields.get(n, {}))
                 for n in self.spec.nodes]
 
     def _resolve(self, spec: LabSpec,

@@ -129,6 +129,8 @@ class _Node:
     name: str
     ip: str
     cidrs: list[ipaddress.IPv4Network]
+    fields: dict[str, Any] = field(default_factory=dict)
+    """What kpx reads of the Node besides its address (``cluster.nodeFields``)."""
 
 
 @dataclass
@@ -216,6 +218,7 @@ def translate(documents: Sequence[Any], max_nodes: int = DEFAULT_MAX_NODES,
         "cluster": {
             "nodeIPs": {n.name: n.ip for n in nodes.values()},
             "podCIDRs": _pod_routes(nodes, pods),
+            "nodeFields": {n.name: n.fields for n in nodes.values() if n.fields},
         },
         "pods": [_pod_entry(p) for p in pods],
         "services": [{k: v for k, v in s.items() if k != "status"} for s in services.values()],
@@ -318,9 +321,25 @@ def _nodes(raw: list[tuple[str, Mapping[str, Any]]], cap: int, r: _Reader,
             left.append(LeftOut(where, f"over the cap of {cap} nodes (--max-nodes)"))
         else:
             ips[str(found)] = name
-            nodes[name] = _Node(name, str(found), cidrs)
+            nodes[name] = _Node(name, str(found), cidrs, _node_fields(obj))
     _usable_cidrs(nodes, left)
     return nodes
+
+
+def _node_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Labels, taints (key and effect) and deletionTimestamp: kpx reads them."""
+    meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+    out: dict[str, Any] = {}
+    labels = meta.get("labels")
+    if isinstance(labels, Mapping) and labels:
+        out["labels"] = {str(k): str(v) for k, v in labels.items()}
+    taints = [{"key": t["key"], "effect": t["effect"]} for t in spec.get("taints") or []
+              if isinstance(t, Mapping) and "key" in t and "effect" in t]
+    if taints:
+        out["taints"] = taints
+    if meta.get("deletionTimestamp"):
+        out["deletionTimestamp"] = str(meta["deletionTimestamp"])
+    return out
 
 
 def _usable_cidrs(nodes: Mapping[str, _Node], left: list[LeftOut]) -> None:

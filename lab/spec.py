@@ -24,6 +24,11 @@ Lab file format
         node1: 192.168.49.2       # a cluster, ``kpx lab up --from-state``); all or none
       podCIDRs:                   # with nodeIPs: the networks each node routes to its pods
         node1: [10.244.0.0/24]    # (its spec.podCIDRs, or /32s of the pods it hosts)
+      nodeFields:                 # optional: what a node's v1 Node object also carries
+        node1:                    # (kpx reads them: zone labels, and a node being deleted
+          labels: {topology.kubernetes.io/zone: zone-a}   # fails its /healthz, KEP-3836)
+          taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]
+          deletionTimestamp: "2024-05-02T11:00:00Z"
     pods:
       - name: web-1           # unique; also names the pod's network namespace
         node: node1           # one of the nodes
@@ -214,6 +219,8 @@ class LabSpec:
     """``cluster.nodeIPs``: node -> its given address; empty: the lab's own plan."""
     pod_cidrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """``cluster.podCIDRs``: node -> the networks routed to its pods (with nodeIPs)."""
+    node_fields: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """``cluster.nodeFields``: node -> labels/taints/deletionTimestamp for its Node object."""
 
     # --- construction -------------------------------------------------------
 
@@ -263,6 +270,7 @@ class LabSpec:
         nodes = _parse_nodes(data.get("nodes", 3), problems)
         cidr, routes = _parse_cluster(data.get("cluster"), nodes, problems)
         node_ips, pod_cidrs = _parse_addresses(data.get("cluster"), nodes, cidr, problems)
+        node_fields = _parse_node_fields(data.get("cluster"), nodes, problems)
         pods = _parse_pods(data.get("pods") or [], nodes, problems)
         _check_pod_ips(pods, node_ips, pod_cidrs, problems)
         services = _parse_services(data.get("services") or [], problems, cidr)
@@ -274,7 +282,8 @@ class LabSpec:
         if problems:
             raise LabSpecError(problems, source)
         return cls(tuple(nodes), tuple(pods), tuple(services), lb,
-                   str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes, node_ips, pod_cidrs)
+                   str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes, node_ips, pod_cidrs,
+                   node_fields)
 
     def to_dict(self) -> dict[str, Any]:
         """The lab-file form; ``LabSpec.from_dict(spec.to_dict()) == spec``."""
@@ -293,6 +302,8 @@ class LabSpec:
         if self.node_ips:
             cluster["nodeIPs"] = dict(self.node_ips)
             cluster["podCIDRs"] = {n: list(c) for n, c in self.pod_cidrs.items()}
+        if self.node_fields:
+            cluster["nodeFields"] = copy.deepcopy({n: dict(f) for n, f in self.node_fields.items()})
         if cluster:
             d["cluster"] = cluster
         return d
@@ -393,7 +404,7 @@ def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
     if not isinstance(raw, Mapping):
         problems.append("cluster: must be a mapping (serviceCIDR, externalIPRoutes)")
         return None, {}
-    allowed = ("externalIPRoutes", "nodeIPs", "podCIDRs", "serviceCIDR")
+    allowed = ("externalIPRoutes", "nodeFields", "nodeIPs", "podCIDRs", "serviceCIDR")
     problems += [f"cluster.{k}: unknown key (expected {', '.join(allowed)})"
                  for k in sorted(set(map(str, raw)) - set(allowed))]
     cidr = _parse_service_cidr(raw.get("serviceCIDR", DEFAULT_SERVICE_CIDR), problems)
@@ -486,6 +497,47 @@ def _parse_addresses(raw: Any, nodes: list[str], cidr: ipaddress.IPv4Network | N
                 ok.append(str(net))
         pod_cidrs[node] = tuple(ok)
     return node_ips, pod_cidrs
+
+
+NODE_FIELDS = ("deletionTimestamp", "labels", "taints")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _parse_node_fields(raw: Any, nodes: list[str], problems: list[str]
+                       ) -> dict[str, dict[str, Any]]:
+    """``cluster.nodeFields``: the parts of a Node object kpx reads besides its address."""
+    raw = (raw.get("nodeFields") if isinstance(raw, Mapping) else None) or {}
+    if not isinstance(raw, Mapping):
+        problems.append("cluster.nodeFields: must be a mapping of node name to fields")
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for node, fields in raw.items():
+        where = f"cluster.nodeFields.{node}"
+        if node not in nodes:
+            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+            continue
+        if not isinstance(fields, Mapping):
+            problems.append(f"{where}: must be a mapping ({', '.join(NODE_FIELDS)})")
+            continue
+        before = len(problems)
+        problems += [f"{where}.{k}: unknown key (expected {', '.join(NODE_FIELDS)})"
+                     for k in sorted(set(map(str, fields)) - set(NODE_FIELDS))]
+        _labels(fields.get("labels"), f"{where}.labels", problems)
+        taints = fields.get("taints") or []
+        if not isinstance(taints, list):
+            problems.append(f"{where}.taints: must be a list of {{key, effect}}")
+            taints = []
+        for j, t in enumerate(taints):
+            if (not isinstance(t, Mapping) or not isinstance(t.get("key"), str)
+                    or not _LABEL_KEY.match(t["key"]) or t.get("effect") not in TAINT_EFFECTS):
+                problems.append(f"{where}.taints[{j}]: needs a key (a label key) and an effect"
+                                f" ({', '.join(TAINT_EFFECTS)})")
+        stamp = fields.get("deletionTimestamp")
+        if stamp is not None and not isinstance(stamp, str):
+            problems.append(f"{where}.deletionTimestamp: must be an RFC 3339 time string")
+        if len(problems) == before:
+            out[node] = copy.deepcopy(dict(fields))
+    return out
 
 
 def _reserved(addr: ipaddress.IPv4Address,

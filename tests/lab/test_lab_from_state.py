@@ -3,8 +3,9 @@
 The fixture is an EKS cluster (``tests/unit/fixtures/kubectl_eks.yaml``):
 nodes named ``ip-10-0-N-M.ec2.internal`` in three subnets, pods in the nodes'
 VPC subnets (no podCIDR), an NLB service with externalTrafficPolicy=Local
-whose only ready pod is on the first node, and a NodePort service with
-externalTrafficPolicy=Cluster whose pod is on the second. The lab is built by
+whose only ready pod is on the first node, a NodePort service with
+externalTrafficPolicy=Cluster whose pod is on the second, and a third node
+the cluster autoscaler is scaling down (tainted ToBeDeletedByClusterAutoscaler). The lab is built by
 the ``kpx`` command, as a user builds it, and then probed from its client.
 """
 
@@ -68,9 +69,14 @@ def test_a_cluster_replayed_in_the_lab(mirrored: tuple[Lab, str]) -> None:
     served = {(o["metadata"]["namespace"], o["metadata"]["name"]): o["spec"]
               for o in state if o["kind"] == "Service"}
     assert served == {k: v for k, v in given.items() if k != ("shop", "db")}
-    nodes = {o["metadata"]["name"]: o["status"]["addresses"][0]["address"]
-             for o in state if o["kind"] == "Node"}
-    assert nodes == IP
+    nodes = {o["metadata"]["name"]: o for o in state if o["kind"] == "Node"}
+    assert {n: o["status"]["addresses"][0]["address"] for n, o in nodes.items()} == IP
+    assert nodes[N3]["spec"]["taints"][0]["key"] == "ToBeDeletedByClusterAutoscaler"
+
+    # The autoscaler is taking the third node away: its kpx says so on /healthz
+    # (KEP-3836), as kube-proxy there does, so an eTP=Cluster LB drains it.
+    health = {n: lab.http_get("client", IP[n], 10256, "/healthz")[0] for n in lab.nodes}
+    assert health == {N1: 200, N2: 200, N3: 503}
 
     # eTP=Local: the node with the ready pod answers and the pod sees the client;
     # the others (none, or only a not-ready pod) drop the SYN and fail the health check.

@@ -59,6 +59,15 @@ def test_eks_nodes_keep_their_names_and_internal_ips() -> None:
         N1: ["10.0.1.101/32", "10.0.1.57/32"], N2: ["10.0.2.88/32"],
         N3: ["10.0.3.140/32", "10.0.3.62/32", "10.0.3.77/32"]}
     assert spec["cluster"]["serviceCIDR"] == "10.100.0.0/16"
+    # What kpx reads of a Node besides its address: its labels, and that the
+    # autoscaler is scaling the third one down (its /healthz must fail).
+    fields = spec["cluster"]["nodeFields"]
+    assert fields[N1]["labels"]["topology.kubernetes.io/zone"] == "us-east-1a"
+    assert fields[N3]["taints"] == [{"key": "ToBeDeletedByClusterAutoscaler",
+                                     "effect": "NoSchedule"}]
+    assert "taints" not in fields[N1] and "deletionTimestamp" not in fields[N1]
+    kubeadm = translate(load_documents(KUBEADM)).spec["cluster"]["nodeFields"]
+    assert kubeadm["node-b"]["deletionTimestamp"] == "2024-05-02T11:00:00Z"
 
 
 def test_eks_one_pod_per_endpoint_address_on_its_node() -> None:
@@ -317,6 +326,18 @@ def given(**cluster_keys: Any) -> dict[str, Any]:
     }
     spec["cluster"].update(cluster_keys)
     return spec
+
+
+def test_node_fields_are_judged() -> None:
+    spec = given(nodeFields={"b": {"taints": [{"key": "x"}], "color": "red"}, "c": {}})
+    with pytest.raises(LabSpecError) as err:
+        LabSpec.from_dict(spec)
+    assert err.value.problems == [
+        "cluster.nodeFields.b.color: unknown key (expected deletionTimestamp, labels, taints)",
+        "cluster.nodeFields.b.taints[0]: needs a key (a label key) and an effect (NoSchedule,"
+        " PreferNoSchedule, NoExecute)",
+        "cluster.nodeFields.c: unknown node 'c' (nodes: a.example, b)",
+    ]
 
 
 def test_given_addresses_are_accepted() -> None:
