@@ -181,14 +181,15 @@ def _mirror(path: Path, max_nodes: int, max_pods: int) -> Any:
     if max_nodes > MAX_NODES:
         raise ValueError(f"--max-nodes: the lab holds at most {MAX_NODES} nodes")
     mirror = translate(load_documents(path), max_nodes, max_pods, str(path))
-    spec = LabSpec.from_dict(mirror.spec, f"{path} (as a lab)")
     print(f"{path}: mirroring {mirror.summary()}")
     if mirror.left_out:
         print(f"left out ({len(mirror.left_out)}):")
         for item in mirror.left_out:
             print(f"  {item}")
     print(flush=True)
-    return spec
+    if not mirror.spec["nodes"]:
+        raise ValueError(f"{path}: no Node left to build a lab of")
+    return LabSpec.from_dict(mirror.spec, f"{path} (as a lab)")
 
 
 def _print_table(lab: Lab) -> None:

@@ -143,7 +143,6 @@ class _Endpoint:
     terminating: bool
     pod: str | None
     ports: list[Mapping[str, Any]]
-    where: str
 
 
 @dataclass
@@ -480,7 +479,7 @@ def _endpoints(raw: list[tuple[str, Mapping[str, Any]]], services: Mapping[str, 
             out.append(_Endpoint(
                 ip=str(ip), service=svc_key, namespace=ns, node=node,
                 ready=cond.get("ready") is not False, terminating=cond.get("terminating") is True,
-                pod=pod if isinstance(pod, str) else None, ports=ports, where=ew))
+                pod=pod if isinstance(pod, str) else None, ports=ports))
     return out
 
 
