@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.cluster import DEFAULT_NAME, PREFIX_RE, RUN_DIR_ENV, Lab, LabError, default_run_dir
+from lab.mirror import DEFAULT_MAX_NODES, DEFAULT_MAX_PODS
 
 _USE_COLOR = sys.stdout.isatty() and "NO_COLOR" not in os.environ
 
@@ -42,6 +43,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("up", parents=[common], help="build a lab (tears down an old one)")
     p.add_argument("lab", nargs="?", help="lab YAML file (default: the built-in 3-node lab)")
+    p.add_argument("--from-state", metavar="STATE", type=Path,
+                   help="mirror a cluster: a state file (kpx snapshot, or kubectl get"
+                        " nodes,svc,endpointslices -A -o yaml) instead of a lab file")
+    p.add_argument("--max-nodes", type=_positive, default=DEFAULT_MAX_NODES, metavar="N",
+                   help=f"--from-state: at most N nodes (default {DEFAULT_MAX_NODES})")
+    p.add_argument("--max-pods", type=_positive, default=DEFAULT_MAX_PODS, metavar="N",
+                   help=f"--from-state: at most N pods (default {DEFAULT_MAX_PODS})")
     p.add_argument("--no-proxies", action="store_true", help="do not start kpx node")
     p.add_argument("--no-lb", action="store_true", help="do not start the load balancer")
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
@@ -131,10 +139,26 @@ def proxies_available() -> tuple[bool, str]:
 # --- commands ----------------------------------------------------------------------
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _up(args: argparse.Namespace) -> int:
     from lab.spec import LabSpec
 
-    spec = LabSpec.load(args.lab) if args.lab else LabSpec.default()
+    if args.from_state is not None:
+        if args.lab:
+            print("kpx lab up: give a lab file or --from-state, not both", file=sys.stderr)
+            return 2
+        spec = _mirror(args.from_state, args.max_nodes, args.max_pods)
+    else:
+        spec = LabSpec.load(args.lab) if args.lab else LabSpec.default()
     start_proxies = not args.no_proxies
     if start_proxies:
         ok, why = proxies_available()
@@ -149,6 +173,25 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mirror(path: Path, max_nodes: int, max_pods: int) -> Any:
+    """The lab that mirrors the cluster in *path*; says what it leaves out, and why."""
+    from lab.mirror import load_documents, translate
+    from lab.spec import MAX_NODES, LabSpec
+
+    if max_nodes > MAX_NODES:
+        raise ValueError(f"--max-nodes: the lab holds at most {MAX_NODES} nodes")
+    mirror = translate(load_documents(path), max_nodes, max_pods, str(path))
+    print(f"{path}: mirroring {mirror.summary()}")
+    if mirror.left_out:
+        print(f"left out ({len(mirror.left_out)}):")
+        for item in mirror.left_out:
+            print(f"  {item}")
+    print(flush=True)
+    if not mirror.spec["nodes"]:
+        raise ValueError(f"{path}: no Node left to build a lab of")
+    return LabSpec.from_dict(mirror.spec, f"{path} (as a lab)")
+
+
 def _print_table(lab: Lab) -> None:
     print(_c(f"lab {lab.prefix} is up", "1;32") + f" in {lab.up_seconds or 0:.1f}s"
           f"  (run dir {lab.run_dir})")
@@ -156,7 +199,7 @@ def _print_table(lab: Lab) -> None:
     rows = [("NODE", "NAMESPACE", "IP", "POD CIDR", "KPX NODE")]
     for n in lab.nodes:
         pid = lab.proxy_pid(n)
-        rows.append((n, lab.ns(n), lab.node_ip(n), _pod_cidr(lab, n),
+        rows.append((n, lab.ns(n), lab.node_ip(n), lab.pod_cidr(n),
                      f"pid {pid}" if pid else "not started"))
     rows.append(("client", lab.ns("client"), lab.client_ip, "-", "-"))
     rows.append(("lb", lab.ns("lb"), f"{lab.lb_ip}, {lab.lb_front_ip}", "-", "-"))
@@ -200,12 +243,6 @@ def _external_text(svc_type: str, external_ips: list[str],
 
 def _name_flag(lab: Lab) -> str:
     return "" if lab.prefix == DEFAULT_NAME else f" --name {lab.prefix}"
-
-
-def _pod_cidr(lab: Lab, node: str) -> str:
-    from lab import topology
-
-    return topology.pod_cidr(lab.plan.node_index(node))
 
 
 def _table(rows: list[tuple[str, ...]]) -> None:

@@ -117,7 +117,7 @@ class Lab(Traffic, Pods):
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
         self.start_lb = start_lb
-        self.plan = topology.Plan(prefix, self.spec.nodes)
+        self.plan = _plan(prefix, self.spec)
         self.up_seconds: float | None = None
         self.lb_handle: lb_control.LoadBalancerHandle | None = None
 
@@ -248,6 +248,15 @@ class Lab(Traffic, Pods):
         if node not in self.spec.nodes:
             raise KeyError(f"no node {node!r} (nodes: {', '.join(self.spec.nodes)})")
         return self.plan.node_ip(node)
+
+    def pod_cidr(self, node: str) -> str:
+        """The networks routed to *node*'s pods, comma-separated (one unless given)."""
+        return ",".join(self.plan.pod_networks_of(node)) or "-"
+
+    @property
+    def pod_networks(self) -> tuple[str, ...]:
+        """All pods' networks: what kpx is told is ``--cluster-cidr``."""
+        return self.plan.pod_networks
 
     def proxy_pid(self, node: str) -> int | None:
         proc = self.procs.proxies.get(node)
@@ -470,7 +479,7 @@ class Lab(Traffic, Pods):
         for node in self.spec.nodes:
             ip = self.node_ip(node)
             entry: dict[str, Any] = {"name": node, "ip": ip, "ns": self.ns(node),
-                                     "pod_cidr": topology.pod_cidr(self.plan.node_index(node))}
+                                     "pod_cidr": self.pod_cidr(node)}
             proc = self.procs.proxies.get(node)
             entry["proxy"] = {"pid": proc.pid if proc else None,
                               "alive": bool(proc and proc.alive())}
@@ -566,7 +575,7 @@ class Lab(Traffic, Pods):
     def proxy_argv(self, node: str) -> list[str]:
         """The ``kpx node`` command line the lab runs on *node*."""
         return proxy_argv(node, self.state_path, self.extra_proxy_args, self.healthz_port,
-                          self.metrics_port)
+                          self.metrics_port, self.plan.pod_networks)
 
     def _start_proxy(self, node: str) -> None:
         self.procs.start_proxy(node, self.plan.node_ns(node), self.proxy_argv(node))
@@ -600,7 +609,8 @@ class Lab(Traffic, Pods):
         self.procs.wait_ready(waits, self.ready_timeout, self.prefix)
 
     def _node_infos(self) -> list[NodeInfo]:
-        return [NodeInfo(n, self.node_ip(n), topology.pod_cidr(self.plan.node_index(n)))
+        return [NodeInfo(n, self.node_ip(n), ",".join(self.plan.pod_networks_of(n)),
+                         self.spec.node_fields.get(n, {}))
                 for n in self.spec.nodes]
 
     def _resolve(self, spec: LabSpec,
@@ -637,7 +647,7 @@ class Lab(Traffic, Pods):
             "spec": self.spec.to_dict(),
             "namespaces": self._namespaces,
             "nodes": {n: {"ns": self.plan.node_ns(n), "ip": self.node_ip(n),
-                          "pod_cidr": topology.pod_cidr(self.plan.node_index(n)),
+                          "pod_cidr": self.pod_cidr(n),
                           "proxy": asdict(proxy) if (proxy := self.procs.proxies.get(n)) else None}
                       for n in self.spec.nodes},
             "pods": {n: r.to_json() for n, r in self._pods.items()},
@@ -650,7 +660,7 @@ class Lab(Traffic, Pods):
 
     def _load(self, data: Mapping[str, Any]) -> None:
         self.spec = LabSpec.from_dict(data["spec"], check_lb_service=False)
-        self.plan = topology.Plan(self.prefix, self.spec.nodes)
+        self.plan = _plan(self.prefix, self.spec)
         self._status = data.get("status", "up")
         self._namespaces = list(data.get("namespaces", []))
         self._pods = {n: PodRecord.from_json(d) for n, d in data.get("pods", {}).items()}
@@ -695,6 +705,10 @@ class Lab(Traffic, Pods):
             return lb_control.status(self.run_dir)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _plan(prefix: str, spec: LabSpec) -> topology.Plan:
+    return topology.Plan(prefix, spec.nodes, spec.node_ips, spec.pod_cidrs)
 
 
 # ---------------------------------------------------------------------- by name

@@ -90,6 +90,9 @@ class NodeInfo:
     name: str
     ip: str
     pod_cidr: str
+    """Its pod networks, comma-separated (a mirrored cluster's node may have several)."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """``cluster.nodeFields``: labels, taints, deletionTimestamp of a mirrored Node."""
 
 
 # --- the API server's part ---------------------------------------------------------
@@ -460,16 +463,32 @@ def stamp_trigger_times(old_fingerprints: Mapping[str, str], old_times: Mapping[
 
 
 def node_objects(nodes: Sequence[NodeInfo]) -> list[dict[str, Any]]:
-    """v1 Nodes as the kubelet registers them: InternalIP and Hostname addresses."""
-    return [{
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": n.name, "uid": _stable_uid("Node", n.name),
-                     "labels": {"kubernetes.io/hostname": n.name, "kubernetes.io/os": "linux"}},
-        "spec": {"podCIDR": n.pod_cidr, "podCIDRs": [n.pod_cidr]},
-        "status": {"addresses": [{"type": "InternalIP", "address": n.ip},
-                                 {"type": "Hostname", "address": n.name}]},
-    } for n in nodes]
+    """v1 Nodes as the kubelet registers them: InternalIP and Hostname addresses.
+
+    A node's ``fields`` (a mirrored cluster's) add its labels, its taints and
+    its deletionTimestamp: kpx reads them (a node being deleted fails /healthz).
+    """
+    out = []
+    for n in nodes:
+        labels = {"kubernetes.io/hostname": n.name, "kubernetes.io/os": "linux",
+                  **(n.fields.get("labels") or {})}
+        meta: dict[str, Any] = {"name": n.name, "uid": _stable_uid("Node", n.name),
+                                "labels": labels}
+        if n.fields.get("deletionTimestamp"):
+            meta["deletionTimestamp"] = n.fields["deletionTimestamp"]
+        cidrs = [c for c in n.pod_cidr.split(",") if c]
+        spec: dict[str, Any] = {"podCIDR": cidrs[0], "podCIDRs": cidrs} if cidrs else {}
+        if n.fields.get("taints"):
+            spec["taints"] = copy.deepcopy(list(n.fields["taints"]))
+        out.append({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": meta,
+            "spec": spec,
+            "status": {"addresses": [{"type": "InternalIP", "address": n.ip},
+                                     {"type": "Hostname", "address": n.name}]},
+        })
+    return out
 
 
 def state_documents(nodes: Sequence[NodeInfo], services: Sequence[Mapping[str, Any]],

@@ -222,7 +222,7 @@ class Pods:
         if ns not in self._namespaces:
             self._namespaces.append(ns)
         self._save()  # record the namespace before it exists: a crash here still cleans up
-        ip = topology.add_pod(self.plan, spec.name, spec.node, slot)
+        ip = topology.add_pod(self.plan, spec.name, spec.node, slot, spec.ip)
         rec = PodRecord(spec=spec, ip=ip, slot=slot, uid=str(uuid.uuid4()))
         self._pods[spec.name] = rec
         return rec
@@ -243,7 +243,7 @@ class Pods:
         netns.kill_all(sorted(set(pids)), grace=0.5)
         if rec.proc:
             self.procs.reap(rec.proc.pid)
-        topology.remove_pod(self.plan, name, rec.spec.node, rec.slot)
+        topology.remove_pod(self.plan, name, rec.spec.node, rec.slot, rec.spec.ip)
         if ns in self._namespaces:
             self._namespaces.remove(ns)
 
@@ -284,5 +284,6 @@ class Pods:
 
 def needs_recreate(old: PodSpec, new: PodSpec) -> bool:
     """Whether a pod changed in a way only a new pod (new IP, new uid) can show."""
-    return (old.node, old.port, old.namespace, old.port_name, old.image, old.proxy_protocol) != (
-        new.node, new.port, new.namespace, new.port_name, new.image, new.proxy_protocol)
+    return (old.node, old.port, old.namespace, old.port_name, old.image, old.proxy_protocol,
+            old.ip) != (new.node, new.port, new.namespace, new.port_name, new.image,
+                        new.proxy_protocol, new.ip)

@@ -154,7 +154,8 @@ def child_env() -> dict[str, str]:
 
 
 def proxy_argv(node: str, state_path: Path, extra_args: Sequence[str],
-               healthz_port: int | None, metrics_port: int | None) -> list[str]:
+               healthz_port: int | None, metrics_port: int | None,
+               cluster_cidrs: Sequence[str] = (POD_NETWORK,)) -> list[str]:
     """The ``kpx node`` command line the lab runs on *node*."""
     argv = [sys.executable, "-m", "proxy", "node", "--hostname-override", node,
             "--state", str(state_path)]
@@ -163,10 +164,10 @@ def proxy_argv(node: str, state_path: Path, extra_args: Sequence[str],
         argv += ["--healthz-bind-address", f"0.0.0.0:{healthz_port}"]
     if metrics_port and "--metrics-bind-address" not in extra:
         argv += ["--metrics-bind-address", f"127.0.0.1:{metrics_port}"]
-    if "--cluster-cidr" not in extra:
+    if "--cluster-cidr" not in extra and cluster_cidrs:
         # As kube-proxy is given it: pod traffic gets Cluster semantics, and a
         # pod keeps its IP on a ClusterIP hop to another node.
-        argv += ["--cluster-cidr", POD_NETWORK]
+        argv += ["--cluster-cidr", ",".join(cluster_cidrs)]
     return argv + extra
 
 

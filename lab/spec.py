@@ -20,6 +20,15 @@ Lab file format
       externalIPRoutes:           # which node the router (the lb namespace) sends each
         203.0.113.10: node2       # externalIP to; an externalIP not listed goes to the
                                   # first node
+      nodeIPs:                    # optional: every node's own address (a lab that mirrors
+        node1: 192.168.49.2       # a cluster, ``kpx lab up --from-state``); all or none
+      podCIDRs:                   # with nodeIPs: the networks each node routes to its pods
+        node1: [10.244.0.0/24]    # (its spec.podCIDRs, or /32s of the pods it hosts)
+      nodeFields:                 # optional: what a node's v1 Node object also carries
+        node1:                    # (kpx reads them: zone labels, and a node being deleted
+          labels: {topology.kubernetes.io/zone: zone-a}   # fails its /healthz, KEP-3836)
+          taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]
+          deletionTimestamp: "2024-05-02T11:00:00Z"
     pods:
       - name: web-1           # unique; also names the pod's network namespace
         node: node1           # one of the nodes
@@ -31,6 +40,8 @@ Lab file format
         image: echo           # optional: echo (default, lab.echo) | nginx (Debian's nginx,
                               # answering JSON with the client address it believes)
         proxyProtocol: false  # nginx only: listen with proxy_protocol, trusting the LB
+        ip: 10.244.0.5        # only with cluster.nodeIPs, and then required: the pod's
+                              # address, inside its node's podCIDRs
     services:                 # real v1 Service objects, as kubectl would accept them
       - apiVersion: v1
         kind: Service
@@ -60,6 +71,13 @@ Lab file format
 
 The LB itself (and the meaning of any further ``loadBalancer`` keys, such as
 its front ``port``) belongs to ``lab.loadbalancer``.
+
+Node names are DNS subdomains as Kubernetes names nodes (``ip-10-0-1-23.ec2.internal``
+is fine: a node's name only ever names a namespace and a log file, never an
+interface). With ``cluster.nodeIPs`` the lab takes the addresses it is given
+instead of its own plan (``lab.topology`` explains the wiring); they may be
+anywhere in IPv4 except the lab's own node and client networks, and must not
+overlap each other or the service CIDR.
 
 nodePorts, healthCheckNodePort and clusterIP may be omitted: the lab allocates
 them deterministically, as the API server would, and keeps them across
@@ -92,7 +110,7 @@ from typing import Any
 
 import yaml
 
-from lab.topology import LAB_NETWORKS
+from lab.topology import INFRA_NETWORKS, LAB_NETWORKS
 
 MAX_NODES = 50
 MAX_PODS_PER_NODE = 200
@@ -105,6 +123,11 @@ SERVICE_CIDR_PREFIXES = (12, 28)
 allocator (which keeps the first ten addresses for static use) has no room."""
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+MAX_NODE_NAME = 200
+"""Kubernetes allows 253; a namespace is named ``<prefix>-<node>``, and a file
+name (which a named network namespace is) has at most 255 bytes."""
 _DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _IANA_SVC_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 _LABEL_KEY = re.compile(
@@ -146,6 +169,8 @@ class PodSpec:
     """What the pod runs: ``echo`` (``lab.echo``) or ``nginx`` (``lab.nginx``)."""
     proxy_protocol: bool = False
     """nginx only: expect a PROXY header and believe it when the LB sent it."""
+    ip: str | None = None
+    """The pod's address, given (a mirrored cluster's); None: the lab's plan picks it."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "node": self.node, "labels": dict(self.labels),
@@ -160,6 +185,8 @@ class PodSpec:
             d["namespace"] = self.namespace
         if self.port_name:
             d["portName"] = self.port_name
+        if self.ip:
+            d["ip"] = self.ip
         return d
 
     @classmethod
@@ -168,7 +195,8 @@ class PodSpec:
         return cls(name=d["name"], node=d["node"], labels=dict(d.get("labels", {})),
                    port=d.get("port", 8080), ready=d.get("ready", True),
                    namespace=d.get("namespace", "default"), port_name=d.get("portName"),
-                   image=d.get("image", "echo"), proxy_protocol=d.get("proxyProtocol", False))
+                   image=d.get("image", "echo"), proxy_protocol=d.get("proxyProtocol", False),
+                   ip=d.get("ip"))
 
 
 @dataclass(frozen=True)
@@ -187,6 +215,12 @@ class LabSpec:
     """``cluster.serviceCIDR``: where ClusterIPs come from (normalized, e.g. 10.96.0.0/16)."""
     external_ip_routes: Mapping[str, str] = field(default_factory=dict)
     """``cluster.externalIPRoutes``: externalIP -> node the router sends it to."""
+    node_ips: Mapping[str, str] = field(default_factory=dict)
+    """``cluster.nodeIPs``: node -> its given address; empty: the lab's own plan."""
+    pod_cidrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """``cluster.podCIDRs``: node -> the networks routed to its pods (with nodeIPs)."""
+    node_fields: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """``cluster.nodeFields``: node -> labels/taints/deletionTimestamp for its Node object."""
 
     # --- construction -------------------------------------------------------
 
@@ -235,7 +269,10 @@ class LabSpec:
                      " loadBalancer)" for k in sorted(map(str, unknown))]
         nodes = _parse_nodes(data.get("nodes", 3), problems)
         cidr, routes = _parse_cluster(data.get("cluster"), nodes, problems)
+        node_ips, pod_cidrs = _parse_addresses(data.get("cluster"), nodes, cidr, problems)
+        node_fields = _parse_node_fields(data.get("cluster"), nodes, problems)
         pods = _parse_pods(data.get("pods") or [], nodes, problems)
+        _check_pod_ips(pods, node_ips, pod_cidrs, problems)
         services = _parse_services(data.get("services") or [], problems, cidr)
         lb = _parse_lb(data.get("loadBalancer"), services, problems, check_lb_service)
         if check_lb_service:
@@ -245,7 +282,8 @@ class LabSpec:
         if problems:
             raise LabSpecError(problems, source)
         return cls(tuple(nodes), tuple(pods), tuple(services), lb,
-                   str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes)
+                   str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes, node_ips, pod_cidrs,
+                   node_fields)
 
     def to_dict(self) -> dict[str, Any]:
         """The lab-file form; ``LabSpec.from_dict(spec.to_dict()) == spec``."""
@@ -261,6 +299,11 @@ class LabSpec:
             cluster["serviceCIDR"] = self.service_cidr
         if self.external_ip_routes:
             cluster["externalIPRoutes"] = dict(self.external_ip_routes)
+        if self.node_ips:
+            cluster["nodeIPs"] = dict(self.node_ips)
+            cluster["podCIDRs"] = {n: list(c) for n, c in self.pod_cidrs.items()}
+        if self.node_fields:
+            cluster["nodeFields"] = copy.deepcopy({n: dict(f) for n, f in self.node_fields.items()})
         if cluster:
             d["cluster"] = cluster
         return d
@@ -322,8 +365,9 @@ def _parse_nodes(raw: Any, problems: list[str]) -> list[str]:
     names: list[str] = []
     for i, n in enumerate(raw):
         where = f"nodes[{i}]"
-        if not isinstance(n, str) or not _DNS1123_LABEL.match(n) or len(n) > 40:
-            problems.append(f"{where}: {n!r} is not a valid node name (lowercase DNS label)")
+        if not isinstance(n, str) or not _DNS1123_SUBDOMAIN.match(n) or len(n) > MAX_NODE_NAME:
+            problems.append(f"{where}: {n!r} is not a valid node name (a lowercase DNS"
+                            f" subdomain of at most {MAX_NODE_NAME} characters)")
         elif n in RESERVED_NAMES:
             problems.append(f"{where}: {n!r} is reserved for the lab's own namespaces")
         elif n in names:
@@ -360,7 +404,7 @@ def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
     if not isinstance(raw, Mapping):
         problems.append("cluster: must be a mapping (serviceCIDR, externalIPRoutes)")
         return None, {}
-    allowed = ("externalIPRoutes", "serviceCIDR")
+    allowed = ("externalIPRoutes", "nodeFields", "nodeIPs", "podCIDRs", "serviceCIDR")
     problems += [f"cluster.{k}: unknown key (expected {', '.join(allowed)})"
                  for k in sorted(set(map(str, raw)) - set(allowed))]
     cidr = _parse_service_cidr(raw.get("serviceCIDR", DEFAULT_SERVICE_CIDR), problems)
@@ -378,6 +422,151 @@ def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
         else:
             routes[str(_ipv4(ip))] = node
     return cidr, routes
+
+
+def _parse_addresses(raw: Any, nodes: list[str], cidr: ipaddress.IPv4Network | None,
+                     problems: list[str]) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """``cluster.nodeIPs`` and ``cluster.podCIDRs``: given addresses, all or none.
+
+    They are what a mirrored cluster had, so they may lie anywhere in IPv4
+    except where the lab itself lives (its node and client networks: the
+    router's and the client's addresses) and the service CIDR; and each must
+    mean one place: no address twice, no pod network overlapping another or
+    holding a node's address (routing would have two answers).
+    """
+    raw = raw if isinstance(raw, Mapping) else {}
+    raw_ips, raw_cidrs = raw.get("nodeIPs"), raw.get("podCIDRs")
+    if raw_ips is None:
+        if raw_cidrs is not None:
+            problems.append("cluster.podCIDRs: only with cluster.nodeIPs (the lab's own plan"
+                            " gives each node 10.244.<n>.0/24)")
+        return {}, {}
+    if not isinstance(raw_ips, Mapping):
+        problems.append("cluster.nodeIPs: must be a mapping of node name to IPv4 address")
+        return {}, {}
+    reserved = [(what, ipaddress.ip_network(net)) for what, net in INFRA_NETWORKS.items()]
+    if cidr is not None:
+        reserved.append(("service CIDR", cidr))
+    node_ips: dict[str, str] = {}
+    owner: dict[ipaddress.IPv4Address, str] = {}
+    for node, ip in raw_ips.items():
+        where = f"cluster.nodeIPs.{node}"
+        addr = _ipv4(ip) if isinstance(ip, str) else None
+        if node not in nodes:
+            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+        elif addr is None:
+            problems.append(f"{where}: {ip!r} is not an IPv4 address")
+        elif clash := _reserved(addr, reserved):
+            problems.append(f"{where}: {ip} is inside the lab's {clash}")
+        elif addr in owner:
+            problems.append(f"{where}: {ip} is also node {owner[addr]}'s address")
+        else:
+            owner[addr] = node
+            node_ips[node] = str(addr)
+    problems += [f"cluster.nodeIPs: node {n} has no address (give every node one, or none)"
+                 for n in nodes if n not in raw_ips]
+    pod_cidrs: dict[str, tuple[str, ...]] = {n: () for n in nodes}
+    if raw_cidrs is not None and not isinstance(raw_cidrs, Mapping):
+        problems.append("cluster.podCIDRs: must be a mapping of node name to a list of networks")
+        raw_cidrs = None
+    taken: list[tuple[ipaddress.IPv4Network, str]] = []
+    for node, nets in (raw_cidrs or {}).items():
+        where = f"cluster.podCIDRs.{node}"
+        if node not in nodes:
+            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+            continue
+        if not isinstance(nets, list):
+            problems.append(f"{where}: must be a list of IPv4 networks")
+            continue
+        ok: list[str] = []
+        for j, text in enumerate(nets):
+            try:
+                net = ipaddress.ip_network(text) if isinstance(text, str) else None
+            except ValueError:
+                net = None
+            if not isinstance(net, ipaddress.IPv4Network):
+                problems.append(f"{where}[{j}]: {text!r} is not an IPv4 network (host bits zero)")
+            elif clash := next((f"{w} {n}" for w, n in reserved if net.overlaps(n)), None):
+                problems.append(f"{where}[{j}]: {net} overlaps the lab's {clash}")
+            elif other := next((o for n, o in taken if net.overlaps(n)), None):
+                problems.append(f"{where}[{j}]: {net} overlaps a pod network of node {other}")
+            elif inside := next((n for a, n in owner.items() if a in net), None):
+                problems.append(f"{where}[{j}]: {net} holds node {inside}'s address")
+            else:
+                taken.append((net, node))
+                ok.append(str(net))
+        pod_cidrs[node] = tuple(ok)
+    return node_ips, pod_cidrs
+
+
+NODE_FIELDS = ("deletionTimestamp", "labels", "taints")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _parse_node_fields(raw: Any, nodes: list[str], problems: list[str]
+                       ) -> dict[str, dict[str, Any]]:
+    """``cluster.nodeFields``: the parts of a Node object kpx reads besides its address."""
+    raw = (raw.get("nodeFields") if isinstance(raw, Mapping) else None) or {}
+    if not isinstance(raw, Mapping):
+        problems.append("cluster.nodeFields: must be a mapping of node name to fields")
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for node, fields in raw.items():
+        where = f"cluster.nodeFields.{node}"
+        if node not in nodes:
+            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+            continue
+        if not isinstance(fields, Mapping):
+            problems.append(f"{where}: must be a mapping ({', '.join(NODE_FIELDS)})")
+            continue
+        before = len(problems)
+        problems += [f"{where}.{k}: unknown key (expected {', '.join(NODE_FIELDS)})"
+                     for k in sorted(set(map(str, fields)) - set(NODE_FIELDS))]
+        _labels(fields.get("labels"), f"{where}.labels", problems)
+        taints = fields.get("taints") or []
+        if not isinstance(taints, list):
+            problems.append(f"{where}.taints: must be a list of {{key, effect}}")
+            taints = []
+        for j, t in enumerate(taints):
+            if (not isinstance(t, Mapping) or not isinstance(t.get("key"), str)
+                    or not _LABEL_KEY.match(t["key"]) or t.get("effect") not in TAINT_EFFECTS):
+                problems.append(f"{where}.taints[{j}]: needs a key (a label key) and an effect"
+                                f" ({', '.join(TAINT_EFFECTS)})")
+        stamp = fields.get("deletionTimestamp")
+        if stamp is not None and not isinstance(stamp, str):
+            problems.append(f"{where}.deletionTimestamp: must be an RFC 3339 time string")
+        if len(problems) == before:
+            out[node] = copy.deepcopy(dict(fields))
+    return out
+
+
+def _reserved(addr: ipaddress.IPv4Address,
+              reserved: list[tuple[str, ipaddress.IPv4Network]]) -> str | None:
+    return next((f"{what} {net}" for what, net in reserved if addr in net), None)
+
+
+def _check_pod_ips(pods: list[PodSpec], node_ips: Mapping[str, str],
+                   pod_cidrs: Mapping[str, tuple[str, ...]], problems: list[str]) -> None:
+    """Given pod addresses: all or none (with nodeIPs), each in its node's podCIDRs, once."""
+    seen: dict[str, str] = {}
+    for i, p in enumerate(pods):
+        where = f"pods[{i}] ({p.name}).ip"
+        if not node_ips:
+            if p.ip is not None:
+                problems.append(f"{where}: only in a lab with cluster.nodeIPs (else the lab's"
+                                " plan addresses pods)")
+            continue
+        if p.ip is None:
+            problems.append(f"{where}: required in a lab with cluster.nodeIPs")
+            continue
+        addr = ipaddress.ip_address(p.ip)
+        nets = pod_cidrs.get(p.node, ())
+        if not any(addr in ipaddress.ip_network(n) for n in nets):
+            problems.append(f"{where}: {p.ip} is not in node {p.node}'s cluster.podCIDRs"
+                            f" ({', '.join(nets) or 'none'})")
+        elif p.ip in seen:
+            problems.append(f"{where}: {p.ip} is also pod {seen[p.ip]}'s address")
+        seen.setdefault(p.ip, p.name)
 
 
 def _parse_service_cidr(raw: Any, problems: list[str]) -> ipaddress.IPv4Network | None:
@@ -418,7 +607,7 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
     seen: set[str] = set()
     per_node: dict[str, int] = {}
     allowed = {"name", "node", "labels", "port", "ready", "namespace", "portName", "image",
-               "proxyProtocol"}
+               "proxyProtocol", "ip"}
     for i, p in enumerate(raw):
         where = f"pods[{i}]"
         if not isinstance(p, Mapping):
@@ -468,11 +657,15 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
             problems.append(f"{where}.proxyProtocol: only an nginx pod takes it (the echo pod"
                             " reads a PROXY header whenever one arrives)")
         labels = _labels(p.get("labels"), f"{where}.labels", problems)
+        ip = p.get("ip")
+        if ip is not None and (not isinstance(ip, str) or _ipv4(ip) is None):
+            problems.append(f"{where}.ip: {ip!r} is not an IPv4 address")
         if len(problems) == before:
             seen.add(name)
             pods.append(PodSpec(name=name, node=node, labels=labels, port=port, ready=ready,
                                 namespace=ns, port_name=port_name, image=image,
-                                proxy_protocol=proxy_protocol))
+                                proxy_protocol=proxy_protocol,
+                                ip=str(_ipv4(ip)) if ip is not None else None))
     return pods
 
 

@@ -27,6 +27,25 @@ instant. Never start processes either: that is ``lab.cluster``'s job.
                   │
       pod:   eth0 10.244.I.(10+K)/24, default via 10.244.I.1
 
+A lab that mirrors a cluster (``cluster.nodeIPs`` in the lab file, ``kpx
+lab up --from-state``) keeps that cluster's addresses, which may lie in any
+subnet, so the same fabric is wired with host routes instead of shared
+subnets::
+
+      lb:    eth0 10.77.0.2/24; each node's IP/32 dev eth0; each node's pod
+             networks via that node
+      node:  eth0 <InternalIP>/32; 10.77.0.2/32 and every other node's IP/32
+             dev eth0 (on-link: the bridge is one L2 segment whatever the
+             subnets); the client network and the service CIDR via 10.77.0.2;
+             every other node's pod networks via that node
+             cbr0 169.254.1.1/32, and each local pod's IP/32 dev cbr0
+      pod:   eth0 <its IP>/32, 169.254.1.1 dev eth0, default via 169.254.1.1
+
+A link-local gateway (what Calico does) works for any pod address, whether
+the node has a podCIDR or the pods share the node's VPC subnet (EKS, AKS
+with Azure CNI), and it takes no address a real pod could have. Only the
+router's and the client's networks stay the lab's own (``INFRA_NETWORKS``).
+
 Service VIPs: a pod's default route already takes a ClusterIP (or an
 externalIP, or the LB's ingress IP) to its node, where kpx takes it. A node
 has no default route, so it gets one for the service CIDR, via the router,
@@ -47,11 +66,12 @@ asymmetric-looking paths.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lab import netns
@@ -70,6 +90,12 @@ POD_NETWORK = "10.244.0.0/16"
 LAB_NETWORKS: dict[str, str] = {"node network": NODE_NET, "client network": CLIENT_NET,
                                 "pod network": POD_NETWORK}
 """The lab's own address space: no service CIDR or externalIP may overlap it."""
+GIVEN_POD_GATEWAY = "169.254.1.1"
+"""Every pod's gateway in a lab with given addresses: on the node's cbr0, on-link in the pod."""
+INFRA_NETWORKS: dict[str, str] = {"node network": NODE_NET, "client network": CLIENT_NET,
+                                  "link-local network": "169.254.0.0/16"}
+"""What a lab with given addresses still keeps for itself: the router's and the
+client's networks, and the link-local range of its pods' gateway."""
 EXTERNAL_IP_PROTO = 177
 """The route protocol number that marks the lab's externalIP routes, so a later
 ``sync_external_ip_routes`` finds (and removes) exactly its own."""
@@ -106,10 +132,36 @@ def pod_host_ifname(slot: int) -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    """Names and addresses of a lab, derived from its prefix and node list."""
+    """Names and addresses of a lab, derived from its prefix and node list.
+
+    With ``node_ips`` (a mirrored cluster's addresses, all nodes or none) the
+    nodes have those, their pods the ones they are given, and ``pod_cidrs``
+    says which networks each node routes to its pods.
+    """
 
     prefix: str
     nodes: tuple[str, ...]
+    node_ips: Mapping[str, str] = field(default_factory=dict)
+    pod_cidrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def given(self) -> bool:
+        """Whether addresses are given (a mirrored cluster) rather than the lab's plan."""
+        return bool(self.node_ips)
+
+    def pod_networks_of(self, node: str) -> tuple[str, ...]:
+        """The networks routed to *node*'s pods."""
+        if self.given:
+            return tuple(self.pod_cidrs.get(node, ()))
+        return (pod_cidr(self.node_index(node)),)
+
+    @property
+    def pod_networks(self) -> tuple[str, ...]:
+        """Every node's pod networks, merged: kpx's ``--cluster-cidr``, the LB's masquerade."""
+        if not self.given:
+            return (POD_NETWORK,)
+        nets = [ipaddress.ip_network(n) for node in self.nodes for n in self.pod_networks_of(node)]
+        return tuple(str(n) for n in ipaddress.collapse_addresses(nets))  # type: ignore[arg-type]
 
     @property
     def sw(self) -> str:
@@ -133,6 +185,8 @@ class Plan:
         return self.nodes.index(node) + 1
 
     def node_ip(self, node: str) -> str:
+        if self.given:
+            return self.node_ips[node]
         return node_ip(self.node_index(node))
 
     def infra_namespaces(self) -> list[str]:
@@ -206,6 +260,9 @@ def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
         client.addr("add", index=_idx(client, "eth0"), address=CLIENT_IP, prefixlen=24)
         _up(client, "eth0")
         client.route("add", dst="0.0.0.0/0", gateway=LB_CLIENT_IP)
+        if plan.given:
+            _wire_given_nodes(plan, h, br, service_cidr)
+            return
         # The LB answers pods that dial it (a Proxy-mode LB IP, a proxy-mode
         # LB's own connections back): each node's pod CIDR via that node.
         for i, _ in enumerate(plan.nodes, start=1):
@@ -227,6 +284,34 @@ def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
             for j, _ in enumerate(plan.nodes, start=1):
                 if j != i:
                     ipr.route("add", dst=pod_cidr(j), gateway=node_ip(j))
+
+
+def _wire_given_nodes(plan: Plan, h: Mapping[str, Any], br: int, service_cidr: str) -> None:
+    """The nodes of a lab with given addresses: host routes on one L2 segment (see above)."""
+    sw, lb = h[plan.sw], h[plan.lb]
+    lb_eth0 = _idx(lb, "eth0")
+    for node in plan.nodes:
+        lb.route("add", dst=f"{plan.node_ip(node)}/32", oif=lb_eth0, scope=253)
+        for net in plan.pod_networks_of(node):
+            lb.route("add", dst=net, gateway=plan.node_ip(node))
+    for i, node in enumerate(plan.nodes, start=1):
+        ipr = h[plan.node_ns(node)]
+        _veth(ipr, "eth0", plan.sw, f"n{i}")  # switch ports by index: IFNAMSIZ is 15
+        _up(sw, f"n{i}", master=br)
+        eth0 = _idx(ipr, "eth0")
+        ipr.addr("add", index=eth0, address=plan.node_ip(node), prefixlen=32)
+        _up(ipr, "eth0")
+        ipr.link("add", ifname="cbr0", kind="bridge", br_stp_state=0, br_forward_delay=0)
+        ipr.addr("add", index=_idx(ipr, "cbr0"), address=GIVEN_POD_GATEWAY, prefixlen=32)
+        _up(ipr, "cbr0")
+        for peer in (LB_NODE_IP, *(plan.node_ip(n) for n in plan.nodes if n != node)):
+            ipr.route("add", dst=f"{peer}/32", oif=eth0, scope=253)
+        ipr.route("add", dst=CLIENT_NET, gateway=LB_NODE_IP)
+        ipr.route("add", dst=service_cidr, gateway=LB_NODE_IP)
+        for other in plan.nodes:
+            if other != node:
+                for net in plan.pod_networks_of(other):
+                    ipr.route("add", dst=net, gateway=plan.node_ip(other))
 
 
 def sync_external_ip_routes(plan: Plan, routes: Mapping[str, str]) -> None:
@@ -255,11 +340,15 @@ def sync_external_ip_routes(plan: Plan, routes: Mapping[str, str]) -> None:
                               proto=EXTERNAL_IP_PROTO)
 
 
-def add_pod(plan: Plan, pod: str, node: str, slot: int) -> str:
-    """Create pod *pod*'s namespace behind *node* in *slot*; returns its IP."""
+def add_pod(plan: Plan, pod: str, node: str, slot: int, given_ip: str | None = None) -> str:
+    """Create pod *pod*'s namespace behind *node* in *slot*; returns its IP.
+
+    *given_ip* (a lab with given addresses) is the pod's address: a /32 with
+    the link-local gateway, and a host route to it on the node's cbr0.
+    """
     i = plan.node_index(node)
     ns = plan.pod_ns(pod)
-    ip = pod_ip(i, slot)
+    ip = given_ip or pod_ip(i, slot)
     netns.create(ns)
     try:
         netns.sysctl_in(ns, BASE_SYSCTLS)
@@ -276,16 +365,25 @@ def add_pod(plan: Plan, pod: str, node: str, slot: int) -> str:
             # port it came in on. (IFLA_BRPORT_MODE is pyroute2's ``mode``.)
             host.brport("set", index=port, mode=1)
             _up(pipr, "lo")
-            pipr.addr("add", index=_idx(pipr, "eth0"), address=ip, prefixlen=POD_PREFIXLEN)
-            _up(pipr, "eth0")
-            pipr.route("add", dst="0.0.0.0/0", gateway=pod_gateway(i))
+            if given_ip:
+                eth0 = _idx(pipr, "eth0")
+                pipr.addr("add", index=eth0, address=ip, prefixlen=32)
+                _up(pipr, "eth0")
+                pipr.route("add", dst=f"{GIVEN_POD_GATEWAY}/32", oif=eth0, scope=253)
+                pipr.route("add", dst="0.0.0.0/0", gateway=GIVEN_POD_GATEWAY)
+                host.route("replace", dst=f"{ip}/32", oif=_idx(host, "cbr0"), scope=253)
+            else:
+                pipr.addr("add", index=_idx(pipr, "eth0"), address=ip,
+                          prefixlen=POD_PREFIXLEN)
+                _up(pipr, "eth0")
+                pipr.route("add", dst="0.0.0.0/0", gateway=pod_gateway(i))
     except BaseException:
         netns.remove(ns)
         raise
     return ip
 
 
-def remove_pod(plan: Plan, pod: str, node: str, slot: int) -> None:
+def remove_pod(plan: Plan, pod: str, node: str, slot: int, given_ip: str | None = None) -> None:
     """Unplug and delete pod *pod*'s namespace (its processes must be gone).
 
     The node-side veth is deleted explicitly: namespace destruction is
@@ -297,4 +395,7 @@ def remove_pod(plan: Plan, pod: str, node: str, slot: int) -> None:
         found = host.link_lookup(ifname=pod_host_ifname(slot))
         if found:
             host.link("del", index=found[0])
+        if given_ip:  # its host route stays on cbr0 otherwise
+            with contextlib.suppress(Exception):
+                host.route("del", dst=f"{given_ip}/32")
     netns.remove(plan.pod_ns(pod))

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("proxy.commands.node", "run the NodePort dataplane (and healthz) on this node"),
     "check": ("proxy.commands.check", "validate a state file and print every problem"),
     "healthz": ("proxy.commands.healthz", "run the healthz sidecar alone"),
+    "snapshot": ("proxy.commands.snapshot",
+                 "write a cluster's nodes, services and endpoint slices as a state file"),
     "lab": ("lab.cli", "build and drive a multi-node network-namespace lab"),
     "demo": ("lab.demos", "narrated demos: local-drop, healthcheck, source-ip"),
     "bench": ("bench.cli", "benchmark kpx against the kernel, HAProxy and naive Python"),

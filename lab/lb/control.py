@@ -148,7 +148,7 @@ def config_for(lab: Any, section: Mapping[str, Any] | None = None) -> LBConfig:
         hc_port=int(lab.hc_port(service) or 0),
         backends=backends,
         status_path=str(Path(lab.run_dir) / STATUS_NAME),
-        masquerade_from=(POD_NETWORK,),
+        masquerade_from=tuple(getattr(lab, "pod_networks", (POD_NETWORK,))),
     )
 
 
