@@ -169,6 +169,15 @@ class APIError(Exception):
         )
 
 
+class ListError(Exception):
+    """A one-shot list (``KubeAPISource.list_once``) failed: which kind, and why."""
+
+    def __init__(self, plural: str, cause: Exception) -> None:
+        self.plural = plural
+        self.cause = cause
+        super().__init__(f"listing {plural}: {str(cause) or type(cause).__name__}")
+
+
 class _StreamError(Exception):
     """A response kpx cannot read: undecodable, oversized, or cut short."""
 
@@ -839,12 +848,43 @@ class KubeAPISource:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    def _client(self, user_agent: str) -> aiohttp.ClientSession:
+        """The session every request of this source goes through (TLS set per request)."""
+        connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True)
+        headers = {"Accept": "application/json", "User-Agent": user_agent}
+        return aiohttp.ClientSession(connector=connector, headers=headers)
+
+    async def list_once(self, *, all_nodes: bool = False, user_agent: str = "kpx"
+                        ) -> dict[str, list[dict[str, Any]]]:
+        """One quorum list of each kind, paginated, no watch and no state: ``kpx snapshot``.
+
+        The same requests, credentials and per-object preparation as ``run``,
+        so what comes back is what kpx would see. ``all_nodes`` lists every
+        Node, not this node's only. Returns plural -> objects in key order;
+        raises ``ListError`` naming the kind that failed.
+        """
+        if all_nodes:
+            self._kinds[0].selectors = {}
+        out: dict[str, list[dict[str, Any]]] = {}
+        async with self._client(user_agent) as session:
+            self._session = session
+            try:
+                for kind in self._kinds:
+                    kind.list_from = ""  # a quorum read: the cluster now, not a watch cache
+                    try:
+                        await self._list(kind)
+                    except (APIError, CredentialError, aiohttp.ClientError, TimeoutError,
+                            _StreamError) as e:
+                        raise ListError(kind.plural, e) from e
+                    out[kind.plural] = [obj for _, obj in sorted(kind.objects.items())]
+            finally:
+                self._session = None
+        return out
+
     async def run(self) -> None:
         """List and watch until ``stop``; API failures are retried, never raised."""
         log.info("Kubernetes API source: %s, node %s", self.config.describe(), self.node_name)
-        connector = aiohttp.TCPConnector(ssl=self._ssl if self._ssl is not None else True)
-        headers = {"Accept": "application/json", "User-Agent": f"kpx (node {self.node_name})"}
-        async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        async with self._client(f"kpx (node {self.node_name})") as session:
             self._session = session
             for kind in self._kinds:
                 self._start(kind)

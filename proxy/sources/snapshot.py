@@ -11,7 +11,7 @@ last-applied annotation, a Node's images and heartbeats); and ``render``, the
 ``kpx node --state`` and the lab all read.
 
 Never: watch, retry, or write to the API server. The lists go through the API
-source's own machinery (``KubeAPISource._list``: the same requests, headers,
+source's own machinery (``KubeAPISource.list_once``: the same requests, headers,
 credentials, TLS and per-object preparation as ``kpx node`` uses), so a
 snapshot sees the cluster exactly as kpx would; a failure is raised as
 ``SnapshotError`` with what the server said, for the command to print.
@@ -23,18 +23,10 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import aiohttp
 import yaml
 
 from proxy.sources.hub import StateHub
-from proxy.sources.kubeapi import (
-    PAGE_SIZE,
-    PROXY_LABEL_SELECTOR,
-    APIError,
-    KubeAPISource,
-    KubeConfig,
-    _StreamError,
-)
+from proxy.sources.kubeapi import PAGE_SIZE, APIError, KubeAPISource, KubeConfig, ListError
 
 NOISE_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
 """An annotation that repeats the whole object as it was last applied."""
@@ -52,39 +44,19 @@ class SnapshotError(Exception):
     """The cluster could not be listed; the message says which list and why."""
 
 
-class _Lister(KubeAPISource):
-    """The API source's list machinery, without its cache-to-state sync."""
-
-    def _changed(self) -> None:
-        """A snapshot builds no state while it lists."""
-
-
 async def take_snapshot(config: KubeConfig, page_size: int = PAGE_SIZE) -> list[dict[str, Any]]:
     """Every Node, and the Services and EndpointSlices kube-proxy watches, trimmed."""
-    lister = _Lister(config, StateHub(), "", page_size=page_size)
-    nodes, services, slices = lister._kinds
-    nodes.selectors = {}  # all of them, not kube-proxy's own node
-    services.selectors = slices.selectors = {"labelSelector": PROXY_LABEL_SELECTOR}
-    ssl = lister._ssl if lister._ssl is not None else True
-    headers = {"Accept": "application/json", "User-Agent": "kpx snapshot"}
-    out: list[dict[str, Any]] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl),
-                                     headers=headers) as session:
-        lister._session = session
-        for kind in lister._kinds:
-            kind.list_from = ""  # a quorum read: the cluster now, not the watch cache
-            try:
-                await lister._list(kind)
-            except APIError as e:
-                hint = (" (the account needs list on nodes, services and"
-                        " endpointslices.discovery.k8s.io)" if e.code in (401, 403) else "")
-                raise SnapshotError(f"listing {kind.plural}: {e}{hint}") from None
-            except (aiohttp.ClientError, TimeoutError, _StreamError) as e:
-                text = str(e) or type(e).__name__
-                raise SnapshotError(f"listing {kind.plural} from {config.server}: {text}"
-                                    ) from None
-            out += [trim(obj) for _, obj in sorted(kind.objects.items())]
-    return out
+    source = KubeAPISource(config, StateHub(), "", page_size=page_size)
+    try:
+        lists = await source.list_once(all_nodes=True, user_agent="kpx snapshot")
+    except ListError as e:
+        if isinstance(e.cause, APIError):
+            hint = (" (the account needs list on nodes, services and"
+                    " endpointslices.discovery.k8s.io)" if e.cause.code in (401, 403) else "")
+            raise SnapshotError(f"{e}{hint}") from None
+        text = str(e.cause) or type(e.cause).__name__
+        raise SnapshotError(f"listing {e.plural} from {config.server}: {text}") from None
+    return [trim(obj) for objects in lists.values() for obj in objects]
 
 
 def trim(obj: Mapping[str, Any]) -> dict[str, Any]:
