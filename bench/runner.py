@@ -278,7 +278,7 @@ class Bench:
         if "control" in self.cfg.workloads:
             cs = self.cfg.control
             n += self.cfg.runs * len(control_contenders(names)) * (
-                2 * len(cs.sizes) + (1 if cs.changes > 0 else 0)
+                (3 if cs.cluster_ips else 2) * len(cs.sizes) + (1 if cs.changes > 0 else 0)
                 + (1 if cs.stall_services > 0 else 0))
         return n
 

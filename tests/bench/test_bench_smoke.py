@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,9 @@ def test_control_plumbing_with_a_stand_in_kpx(tmp_path: Path) -> None:
     assert table.get(None, "apply-cip-60", "kpx").status == "failed"  # the stand-in's limit
     assert table.get("local", "rr", "kpx-w2") is None
     assert not [n for n in doc["notes"] if "kpx-nfq" in n], doc["notes"]
+    # The live counter plans every control row of both modes (apply-cip included).
+    steps = [(int(k), int(t)) for k, t in re.findall(r"\[(\d+)/(\d+)\]", text)]
+    assert steps and steps[-1][0] == steps[-1][1] and all(k <= t for k, t in steps), steps
 
 
 def test_namespace_clash_aborts_cleanly_and_leaves_foreign_namespaces(tmp_path: Path) -> None:
