@@ -511,6 +511,9 @@ class Kpx(ProcessContender):
     port_base = 30400
     workers = 0
     start_timeout = 30.0
+    proxy_mode = "userspace"
+    """``kpx node --proxy-mode``: what the control workloads see in force (listeners or
+    kpx's nft set, ``bench.control``)."""
 
     def __init__(self, topo: Topology, log_dir: Path, kpx: str, etp: str = "Cluster",
                  udp_service: bool = False) -> None:
@@ -616,6 +619,13 @@ class KpxWorkers(Kpx):
     port_base = 30500
     workers = 2
 
+    @classmethod
+    def serves(cls, workload: str) -> str | None:
+        if workload == "control":
+            return ("the control workloads run once per proxy mode, on kpx and kpx-nfq "
+                    "(one worker each)")
+        return super().serves(workload)
+
 
 class KpxNfqueue(Kpx):
     """``kpx node --proxy-mode nfqueue``: Python decides each SYN, conntrack DNAT the rest."""
@@ -623,13 +633,12 @@ class KpxNfqueue(Kpx):
     name = "kpx-nfq"
     description = "kpx node --proxy-mode nfqueue (SYN decided in Python, kernel forwards)"
     port_base = 30600
+    proxy_mode = "nfqueue"
 
     @classmethod
     def serves(cls, workload: str) -> str | None:
         if workload == "mem":
             return "no proxied connection in the process: conntrack holds them"
-        if workload == "control":
-            return "the control workloads time the relay's listeners (nfqueue: issue 15)"
         return super().serves(workload)
 
     def unavailable(self) -> str | None:
@@ -666,6 +675,13 @@ def default_contenders(workloads: list[str]) -> list[str]:
 def serves(name: str, workload: str) -> str | None:
     """None when contender ``name`` takes part in ``workload``; else the n/a reason."""
     return CLASSES[name].serves(workload)
+
+
+def control_contenders(names: list[str]) -> list[str]:
+    """Of ``names``, the kpx contenders the control workloads run for, in run order:
+    one per proxy mode (kpx, kpx-nfq), each that ``serves("control")``."""
+    return [n for n in CONTENDER_ORDER if n in names and issubclass(CLASSES[n], Kpx)
+            and CLASSES[n].serves("control") is None]
 
 
 def make_contenders(names: list[str], topo: Topology, log_dir: Path,

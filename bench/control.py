@@ -1,23 +1,28 @@
-"""The control-plane workload (kpx only): apply time, convergence, idle CPU.
+"""The control-plane workload (kpx only, both proxy modes): apply time, convergence, idle CPU.
 
 Owns: the apply, converge, idle and stall measurements of one kpx against
 its own state file, and the checks that make each run count (every port
-listening, the moved endpoint reached, no probe refused).
+in force, the moved endpoint reached, no probe refused).
 
 Never: read kpx's internals (no ``/metrics``, no import of ``proxy``): only
-what a user sees from outside, the listeners and the answers.
+what a user sees from outside, the kernel's state (listeners, or kpx's nft
+set) and the answers.
 
 Why measured from outside: the brief runs ``kpx node --no-healthz``, so there
 is no /metrics to read, and what a user waits for is the effect, not a log
 line. So:
 
 - **apply**: from the moment a state with N NodePort services (x 3 endpoints)
-  is renamed into place until node1 has a listener on every one of the N
-  ports, polled from ``/proc/thread-self/net/tcp`` of a thread inside node1
-  (no subprocess per poll). The previous state has none of them, so this is
-  a full apply of N services. A GET through the first and last new port
-  must then reach a real endpoint. kpx's own log line about the sync, if it
-  prints one, is recorded beside the figure for cross-checking.
+  is renamed into place until all N ports are in force in node1's kernel:
+  for the relay (``kpx``), a listener on every one of them, polled with a
+  sock_diag dump from a thread inside node1 (no subprocess per poll); for
+  ``kpx-nfq``, which has no listeners, every one of them in kpx's nft set
+  of queued ports (``nft -j list set ip kpx_nfq ports``, run from that
+  thread: what ``nft`` shows is what the kernel queues). The previous state
+  has none of them, so this is a full apply of N services. A GET through
+  the first and last new port must then reach a real endpoint. kpx's own
+  log line about the sync, if it prints one, is recorded beside the figure
+  for cross-checking.
 - **converge**: a 1,000-service state plus a ``conv`` service whose single
   endpoint moves between two backends (pod1-a <-> pod1-b); after each rename,
   fresh connections are made until one reaches the new backend. A random
@@ -35,19 +40,23 @@ line. So:
   so parsed and linked like the others): 50,000 listeners need 50,000 fds
   and the hard RLIMIT_NOFILE here is 20,000 (and 50,000 nodePorts do not fit
   a port range anyway). A probe that errors fails the run; one that times out
-  counts at the timeout.
+  counts at the timeout. kpx-nfq gets the very same state (same clamp, same
+  10,000 NodePorts), so the two modes' figures compare, though it needs no
+  descriptor per NodePort.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import statistics
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from bench import k8s_state
 from bench.backends import HTTP_PORT
@@ -64,7 +73,9 @@ from bench.topology import (
 )
 from lab.common import poll, write_atomic
 
-CONV_NODE_PORT = 30402
+CONV_PORT_OFFSET = 2
+"""The ``conv`` service's NodePort is the contender's base + 2 (kpx: 30402, kpx-nfq: 30602):
+each mode its own front port, as every contender has (``bench.contenders``)."""
 CONV_NAMES = ("pod1-a", "pod1-b")
 HEALTHZ_PORT = 10256
 STALL_FD_RESERVE = 4000
@@ -72,6 +83,19 @@ STALL_FD_RESERVE = 4000
 VIPS_LOG = re.compile(r"service VIPs in force \(generation \d+\): (\d+) VIPs")
 SYNC_LOG = re.compile(r"generation \d+|\bsync\w* .*\d|\bappl\w* .*\d", re.I)
 """kpx's own account of a state load, recorded beside the externally timed apply."""
+NFQ_TABLE = "kpx_nfq"
+"""kpx's nft table in ``--proxy-mode nfqueue`` (``proxy.nfqueue.rules.NFT_TABLE``: the
+bench may not import ``proxy``, so it names it itself; tests/bench check that both agree)."""
+NFQ_PORTS_SET = "ports"
+"""Its set of TCP ports queued on every local address: the NodePorts in force."""
+NFQ_VIPS_SET = "vips"
+"""Its set of service VIPs (a SYN to one of them is queued or reset, never routed on)."""
+NFQ_POLL_COST_FACTOR = 2.0
+"""kpx-nfq's apply poll sleeps at least this many times what the last ``nft`` listing took:
+listing 10,000 ports costs ``nft`` about 18 ms of CPU here, which polled back to back
+would take most of a core from the two kpx runs on (the relay's sock_diag dump stays
+in-process, and keeps its fixed 10 ms). So the harness takes at most a third of a core,
+and the figure overshoots by at most about three listings."""
 
 
 @dataclass
@@ -100,6 +124,140 @@ class ControlSettings:
         (POD1_IP, "node1"), (POD1_ALT_IP, "node1"), (POD2_IP, "node2")))
 
 
+def nft_set_elements(listing: str) -> list[Any]:
+    """The elements of the one set in ``nft -j list set`` output (an empty set: []).
+
+    An element with a timeout, counter or comment comes as ``{"elem": {"val": v, ...}}``;
+    its value is returned. ValueError when the text is not such a listing.
+    """
+    try:
+        doc = json.loads(listing)
+    except ValueError as e:
+        raise ValueError(f"nft -j listing is not JSON: {e}") from None
+    items = doc.get("nftables") if isinstance(doc, dict) else None
+    if not isinstance(items, list):
+        raise ValueError("nft -j listing has no \"nftables\" array")
+    sets = [o["set"] for o in items if isinstance(o, dict) and isinstance(o.get("set"), dict)]
+    if len(sets) != 1:
+        raise ValueError(f"nft -j listing holds {len(sets)} sets, expected 1")
+    elems = sets[0].get("elem", [])
+    if not isinstance(elems, list):
+        raise ValueError(f"set {sets[0].get('name')!r}: \"elem\" is not a list")
+    return [e["elem"].get("val") if isinstance(e, dict) and isinstance(e.get("elem"), dict)
+            else e for e in elems]
+
+
+def nft_ports_in(elements: Iterable[Any], lo: int, hi: int) -> int:
+    """How many ports in ``[lo, hi)`` the elements of a port set hold.
+
+    Ports come as numbers, or as ``{"range": [a, b]}`` in a set with intervals
+    (both ends included); ValueError names any other element.
+    """
+    count = 0
+    for e in elements:
+        if isinstance(e, int) and not isinstance(e, bool):
+            count += lo <= e < hi
+        elif (isinstance(e, dict) and isinstance(e.get("range"), list) and len(e["range"]) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in e["range"])):
+            a, b = e["range"]
+            count += max(0, min(b + 1, hi) - max(a, lo))
+        else:
+            raise ValueError(f"port set element {e!r}: not a port or a port range")
+    return count
+
+
+def nft_addresses_of(elements: Iterable[Any], want: Iterable[str]) -> int:
+    """How many of the addresses ``want`` an address set's elements hold."""
+    have = set()
+    for e in elements:
+        if not isinstance(e, str):
+            raise ValueError(f"address set element {e!r}: not an address")
+        have.add(e)
+    return len(have & set(want))
+
+
+def nft_list_set(table: str, name: str) -> list[Any]:
+    """``nft -j list set ip TABLE NAME`` in the calling thread's netns; [] if not there.
+
+    Run from a thread living in node1 (``NsThread``): the child inherits that
+    thread's namespace. The table or set being absent (kpx not started yet, or
+    gone) reads as empty; any other failure is an OSError with nft's words.
+    """
+    cp = subprocess.run(["nft", "-j", "list", "set", "ip", table, name],
+                        capture_output=True, text=True, timeout=30.0, check=False)
+    if cp.returncode != 0:
+        if "No such file or directory" in cp.stderr:
+            return []
+        raise OSError(f"nft -j list set ip {table} {name} -> rc {cp.returncode}: "
+                      f"{cp.stderr.strip()[-300:]}")
+    try:
+        return nft_set_elements(cp.stdout)
+    except ValueError as e:
+        raise OSError(f"nft -j list set ip {table} {name}: {e}") from None
+
+
+class InForce(Protocol):
+    """What a kpx mode has in force in node1's kernel, seen from outside."""
+
+    what: str
+    """How a NodePort in force is described in failure messages."""
+    cost_factor: float
+    """A poll sleeps at least this many times what the last poll took (0: a fixed interval)."""
+
+    def node_ports(self, lo: int, hi: int) -> int:
+        """NodePorts in ``[lo, hi)`` in force."""
+        ...
+
+    def vips(self, want: frozenset[str]) -> int:
+        """Service VIPs in force (at least those of ``want``, when that many)."""
+        ...
+
+
+class Listeners:
+    """The relay (``--proxy-mode userspace``): a NodePort is in force once it listens."""
+
+    what = "listening"
+    cost_factor = 0.0
+
+    def __init__(self, ctl: Control) -> None:
+        self.ctl = ctl
+
+    def node_ports(self, lo: int, hi: int) -> int:
+        ports = self.ctl.topo.thread("node1").call(listening_ports)
+        return sum(1 for p in ports if lo <= p < hi)
+
+    def vips(self, want: frozenset[str]) -> int:
+        """What kpx last logged in force: its VIPs share one listener, and routes and the
+        nft table are written in the background, so its log is what says they are."""
+        return self.ctl.vips_in_force()
+
+
+class NfqueueSets:
+    """``--proxy-mode nfqueue``: no listener; a NodePort is in force once it is in kpx's
+    nft set of queued ports (the SYN is then queued, decided and DNATed), a VIP once
+    it is in its set of VIPs."""
+
+    what = f"in nft set ip {NFQ_TABLE} {NFQ_PORTS_SET}"
+    cost_factor = NFQ_POLL_COST_FACTOR
+
+    def __init__(self, ctl: Control) -> None:
+        self.ctl = ctl
+
+    def node_ports(self, lo: int, hi: int) -> int:
+        elems = self.ctl.topo.thread("node1").call(nft_list_set, NFQ_TABLE, NFQ_PORTS_SET)
+        try:
+            return nft_ports_in(elems, lo, hi)
+        except ValueError as e:  # fails the cell, never the whole bench
+            raise OSError(f"nft set ip {NFQ_TABLE} {NFQ_PORTS_SET}: {e}") from None
+
+    def vips(self, want: frozenset[str]) -> int:
+        elems = self.ctl.topo.thread("node1").call(nft_list_set, NFQ_TABLE, NFQ_VIPS_SET)
+        try:
+            return nft_addresses_of(elems, want)
+        except ValueError as e:
+            raise OSError(f"nft set ip {NFQ_TABLE} {NFQ_VIPS_SET}: {e}") from None
+
+
 def percentile(values: list[float], p: float) -> float:
     """Nearest-rank percentile (p in 0-100): an observed value, as latency reports use."""
     if not values:
@@ -118,7 +276,11 @@ class Control:
         self.topo = kpx.topo
         t = kpx.target()
         self.base_ports = (t.http_port, t.bulk_port)
+        self.conv_port = kpx.port_base + CONV_PORT_OFFSET
         self.eps = tuple(k8s_state.Ep(ip, n) for ip, n in cs.endpoints)
+        self.view: InForce = NfqueueSets(self) if kpx.proxy_mode == "nfqueue" else Listeners(self)
+        self.polls: list[float] = []
+        """Seconds each in-force poll of the current wait took."""
 
     # ---- state rendering ---------------------------------------------------------
 
@@ -129,7 +291,7 @@ class Control:
         if conv is not None:
             ip = POD1_IP if conv == "pod1-a" else POD1_ALT_IP
             extra.append(k8s_state.ServiceSpec(
-                "conv", (k8s_state.Port("http", 80, HTTP_PORT, CONV_NODE_PORT),),
+                "conv", (k8s_state.Port("http", 80, HTTP_PORT, self.conv_port),),
                 (k8s_state.Ep(ip, "node1"),)))
         return bench_state("local", *self.base_ports, extra=extra)
 
@@ -139,11 +301,9 @@ class Control:
 
     # ---- observations ------------------------------------------------------------
 
-    def listening_in_range(self, n: int) -> int:
-        """Listeners in node1 on the N NodePorts."""
-        lo, hi = self.cs.first_port, self.cs.first_port + n
-        ports = self.topo.thread("node1").call(listening_ports)
-        return sum(1 for p in ports if lo <= p < hi)
+    def in_force(self, n: int) -> int:
+        """How many of the N NodePorts node1's kernel has in force (listening, or in the set)."""
+        return self.view.node_ports(self.cs.first_port, self.cs.first_port + n)
 
     def vips_in_force(self) -> int:
         """How many VIPs kpx last reported in force (routes and nft table written), from its log."""
@@ -162,20 +322,27 @@ class Control:
     # ---- measurements ------------------------------------------------------------
 
     def wait_count(self, n: int, done: Callable[[int], bool], interval: float,
-                   vips: int = 0) -> tuple[bool, int]:
-        """Poll the listener count until ``done(count)``, kpx dies, or progress stalls.
+                   vips: frozenset[str] = frozenset()) -> tuple[bool, int]:
+        """Poll the in-force count until ``done(count)``, kpx dies, or progress stalls.
 
-        ``vips``: also until kpx reports at least that many VIPs in force.
+        ``vips``: also until at least that many VIPs are in force (asked only
+        once the ports are done). Each poll is then followed by a pause of
+        ``interval``, or ``view.cost_factor`` times what the poll took if more.
 
         A stall (no change for ``stall_timeout``) ends the wait early: kpx
         that hit EMFILE, say, would otherwise burn the whole apply timeout.
+        OSError when the kernel's state cannot be read (``nft`` failing).
         """
         deadline = time.monotonic() + self.cs.apply_timeout
         last, last_change = -1, time.monotonic()
+        self.polls = []
         while True:
-            count = self.listening_in_range(n)
+            p0 = time.monotonic()
+            count = self.in_force(n)
+            finished = done(count) and (not vips or self.view.vips(vips) >= len(vips))
             now = time.monotonic()
-            if done(count) and (not vips or self.vips_in_force() >= vips):
+            self.polls.append(now - p0)
+            if finished:
                 return True, count
             if count != last:
                 last, last_change = count, now
@@ -185,7 +352,12 @@ class Control:
             # Stuck on EMFILE will not recover: no need to sit out the stall timeout.
             if stalled >= 5.0 and self._log_hint():
                 return False, count
-            time.sleep(interval)
+            time.sleep(max(interval, self.view.cost_factor * self.polls[-1]))
+
+    def _poll_detail(self) -> dict[str, Any]:
+        """How the last wait polled: count and mean cost (the figure's resolution)."""
+        p = self.polls
+        return {"polls": len(p), "poll_ms_mean": round(1000 * sum(p) / len(p), 3) if p else None}
 
     def _log_hint(self) -> str:
         """Why kpx may be stuck, from its log: EMFILE is the one seen here."""
@@ -200,21 +372,26 @@ class Control:
     def clear(self, n: int) -> str | None:
         """Back to the small state; the N ports must close (so the next apply is full)."""
         self.write(self.state(0))
-        ok, count = self.wait_count(n, lambda c: c == 0, 0.05)
+        try:
+            ok, count = self.wait_count(n, lambda c: c == 0, 0.05)
+        except OSError as e:
+            return str(e)
         if self._dead():
             return self._dead()
         if not ok:
-            return (f"{count} of {n} services still listening after removing them"
+            return (f"{count} of {n} services still {self.view.what} after removing them"
                     f"{self._log_hint()}")
         return None
 
     def apply(self, n: int, cluster_ips: bool = False) -> Run:
         """Apply N NodePort services; with ``cluster_ips`` each also has a clusterIP.
 
-        Done when every NodePort listens and, with clusterIPs, kpx reports
-        all of them in force (routes and nft table written: its "service VIPs
-        in force" line, polled with the listeners). The VIPs share one
-        listener, so N services with clusterIPs still need N + 1 descriptors.
+        Done when every NodePort is in force and, with clusterIPs, every VIP:
+        for the relay, when kpx reports them in force (routes and nft table
+        written: its "service VIPs in force" line, polled with the
+        listeners; the VIPs share one listener, so N services with
+        clusterIPs still need N + 1 descriptors); for kpx-nfq, when every
+        one is in its nft set of VIPs.
         """
         err = self.clear(n)
         if err:
@@ -224,19 +401,23 @@ class Control:
         time.sleep(0.3)
         t0 = self.write(text)
         interval = 0.01
-        ok, count = self.wait_count(n, lambda c: c >= n, interval, len(cips))
-        elapsed = time.monotonic() - t0
         detail: dict[str, Any] = {"services": n, "endpoints_per_service": len(self.eps),
                                   "node_ports": n, "cluster_ips": len(cips),
                                   "nofile_hard_limit": nofile_hard_limit(),
                                   "poll_interval_s": interval,
                                   "state_bytes": len(text.encode())}
-        if self._dead():
-            return Run.failed(str(self._dead()), **detail)
-        if not ok:
-            return Run.failed(f"only {count} of {n} NodePorts listening, "
-                              f"{self.vips_in_force()} VIPs in force after "
-                              f"{elapsed:.0f}s{self._log_hint()}", **detail)
+        try:
+            ok, count = self.wait_count(n, lambda c: c >= n, interval, frozenset(cips))
+            elapsed = time.monotonic() - t0
+            detail.update(self._poll_detail())
+            if self._dead():
+                return Run.failed(str(self._dead()), **detail)
+            if not ok:
+                return Run.failed(f"only {count} of {n} NodePorts {self.view.what}, "
+                                  f"{self.view.vips(frozenset(cips))} VIPs in force after "
+                                  f"{elapsed:.0f}s{self._log_hint()}", **detail)
+        except OSError as e:
+            return Run.failed(f"reading what is in force: {e}", **detail)
         vips = frozenset(cips)
         node_ports = n
         names = {"pod1-a", "pod1-b", "pod2"}
@@ -250,15 +431,25 @@ class Control:
             try:
                 got = self.topo.thread(role).call(http_get, ip, port)
             except OSError as e:
-                return Run.failed(f"GET through new {ip}:{port} failed: {e}", **detail)
+                # kpx-nfq: refused with every port already in its set is kpx's own
+                # window (a SYN decided before its table holds the new plans), not ours.
+                late = (time.monotonic() - t0 - elapsed) * 1000
+                return Run.failed(f"GET through new {ip}:{port} failed {late:.0f} ms after "
+                                  f"all {n} NodePorts were {self.view.what}: {e}", **detail)
             if got not in names:
                 return Run.failed(f"{ip}:{port} answered {got!r}", **detail)
+        # When the checks' GETs had all answered: after apply_s by the checks' own time.
+        detail["answered_s"] = round(time.monotonic() - t0, 3)
         detail["kpx_log"] = self._last_sync_line()
         return Run(ok=True, metrics={"apply_s": elapsed}, detail=detail)
 
     def idle(self, n: int) -> Run:
         """CPU of kpx over ``idle_seconds`` with ``n`` services loaded and no traffic."""
-        if self.listening_in_range(n) < n:
+        try:
+            loaded = self.in_force(n)
+        except OSError as e:
+            return Run.failed(f"reading what is in force: {e}")
+        if loaded < n:
             return Run.failed(f"{n} services are not loaded")
         time.sleep(1.0)
         pids = self.kpx.pids()
@@ -272,7 +463,7 @@ class Control:
                            "cpu_seconds": round(c1 - c0, 4)})
 
     def _probe(self) -> str:
-        return self.topo.thread("client").call(http_get, NODE1_IP, CONV_NODE_PORT, 1.0)
+        return self.topo.thread("client").call(http_get, NODE1_IP, self.conv_port, 1.0)
 
     def converge(self, progress: Callable[[int, int], None] | None = None) -> Run:
         n = self.cs.conv_services
@@ -356,9 +547,14 @@ class Control:
                 return Run.failed(f"prober exited early: {prober.finish()}", **detail)
             t0 = time.monotonic()
             write_atomic(self.kpx.state_path, data)
-            # A slow poll: each one dumps up to 10,000 sockets, CPU the two cores
-            # kpx runs on would otherwise lose to the harness (apply_s is a by-product).
-            ok, count = self.wait_count(node_ports, lambda c: c >= node_ports, 0.25)
+            # A slow poll: each one dumps up to 10,000 sockets (or set elements), CPU
+            # the two cores kpx runs on would otherwise lose to the harness (apply_s
+            # is a by-product).
+            try:
+                ok, count = self.wait_count(node_ports, lambda c: c >= node_ports, 0.25)
+            except OSError as e:
+                ok, count = False, -1
+                detail["poll_error"] = str(e)
             detail["apply_s"] = round(time.monotonic() - t0, 3)
             if ok:
                 time.sleep(cs.stall_tail)
@@ -370,8 +566,10 @@ class Control:
         detail["kpx_log"] = self._last_sync_line()
         if self._dead():
             return Run.failed(str(self._dead()), **detail)
+        if "poll_error" in detail:
+            return Run.failed(f"reading what is in force: {detail['poll_error']}", **detail)
         if not ok:
-            return Run.failed(f"only {count} of {node_ports} NodePorts listening after "
+            return Run.failed(f"only {count} of {node_ports} NodePorts {self.view.what} after "
                               f"{detail['apply_s']:.0f}s{self._log_hint()}", **detail)
         metrics: dict[str, float] = {}
         for name, ser in series.items():

@@ -19,7 +19,7 @@ Order of work, and why:
   only the one being measured is running (and kpx's mem figure starts from
   a fresh process);
 - a pause before every measured run lets TIME_WAIT and conntrack settle;
-- control last, kpx only.
+- control last, kpx only: each proxy mode (``kpx``, then ``kpx-nfq``) when asked for.
 
 Everything created is removed in ``finally`` (processes by pid, then the
 namespaces), also on Ctrl-C or SIGTERM, and a partial results file is written
@@ -52,6 +52,7 @@ from bench.contenders import (
     Contender,
     ContenderError,
     Kpx,
+    control_contenders,
     make_contenders,
     serves,
 )
@@ -274,10 +275,11 @@ class Bench:
                 if w == "mem" and path not in self.cfg.mem_paths:
                     continue
                 n += self.cfg.runs * sum(1 for c in names if serves(c, w) is None)
-        if "control" in self.cfg.workloads and "kpx" in names:
+        if "control" in self.cfg.workloads:
             cs = self.cfg.control
-            n += self.cfg.runs * (2 * len(cs.sizes) + (1 if cs.changes > 0 else 0)
-                                  + (1 if cs.stall_services > 0 else 0))
+            n += self.cfg.runs * len(control_contenders(names)) * (
+                (3 if cs.cluster_ips else 2) * len(cs.sizes) + (1 if cs.changes > 0 else 0)
+                + (1 if cs.stall_services > 0 else 0))
         return n
 
     def estimate_seconds(self) -> float:
@@ -294,11 +296,11 @@ class Bench:
                 k = sum(1 for c in self.cfg.contenders if serves(c, w) is None)
                 total += self.cfg.runs * k * per_run[w]
             total += self.cfg.runs * len(self.cfg.contenders) * 1.0  # start/stop
-        if "control" in self.cfg.workloads and "kpx" in self.cfg.contenders:
+        if "control" in self.cfg.workloads:
             cs = self.cfg.control
-            total += self.cfg.runs * (len(cs.sizes) * (cs.idle_seconds + 6.0)
-                                      + cs.changes * 0.5 + 3.0
-                                      + (15.0 if cs.stall_services > 0 else 0.0))
+            total += self.cfg.runs * len(control_contenders(self.cfg.contenders)) * (
+                len(cs.sizes) * (cs.idle_seconds + 6.0) + cs.changes * 0.5 + 3.0
+                + (15.0 if cs.stall_services > 0 else 0.0))
         return total + 10.0
 
     # ---- results -----------------------------------------------------------------
@@ -454,27 +456,32 @@ class Bench:
             self.topo.reset_node1()
 
     def run_control(self, contenders: list[Contender]) -> None:
-        kpx = next((c for c in contenders if c.name == "kpx"), None)
-        if kpx is None:
-            return
-        assert isinstance(kpx, Kpx)
+        """The control workloads for each proxy mode asked for: kpx, then kpx-nfq."""
+        by_name = {c.name: c for c in contenders}
+        for name in control_contenders(list(by_name)):
+            kpx = by_name[name]
+            assert isinstance(kpx, Kpx)
+            self._run_control(kpx)
+
+    def _run_control(self, kpx: Kpx) -> None:
         cs = self.cfg.control
+        name = kpx.name
         names = [f"apply-{n}" for n in cs.sizes] + [f"idle-{n}" for n in cs.sizes]
         names += ["converge"] if cs.changes else []
         names += [f"stall-{cs.stall_services}"] if cs.stall_services > 0 else []
-        if not self.availability["kpx"]["available"]:
+        if not self.availability[name]["available"]:
             for w in names:
-                self.table.mark(None, w, "kpx", "unavailable", self.availability["kpx"]["reason"])
+                self.table.mark(None, w, name, "unavailable", self.availability[name]["reason"])
             return
 
         def on_run(workload: str, index: int, run: Run) -> None:
-            self.table.cell(None, workload, "kpx").add(run)
+            self.table.cell(None, workload, name).add(run)
             runs = self.cfg.runs
-            self.display.advance(report.run_line(None, workload, "kpx", index, runs, run.ok,
+            self.display.advance(report.run_line(None, workload, name, index, runs, run.ok,
                                                  run.metrics, run.error))
 
         run_control(kpx, cs, self.cfg.runs, self.display.step, on_run)
-        self.check_residue("kpx (control)")
+        self.check_residue(f"{name} (control)")
         self.save(False)
 
     def finish(self, complete: bool) -> None:

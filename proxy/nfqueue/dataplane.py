@@ -23,7 +23,15 @@ port; per protocol) has a stable slot there, and the DNAT maps are keyed by
 slot and frontend (``Slots``). A new plan table is put in force only once
 ``nft`` has written the maps it needs, so a verdict never names a slot the
 kernel does not have yet; a slot is retired one sync after its endpoint
-left, so SYNs decided just before still find it.
+left, so SYNs decided just before still find it. A SYN the table in force
+has no plan for was queued by the table being written (its transaction has
+committed, or nothing would queue that SYN), and that table decides it.
+
+Threads: the queue is read by a thread of its own, blocked in ``recv``; the
+event loop keeps the syncs, whose walk over every plan runs in a worker
+thread. So SYNs do not wait for a sync (at tens of thousands of services,
+every SYN queued while the loop walked the plans waited the walk out), nor
+/healthz for either. They share only immutable tables, swapped by reference.
 
 Never: relay a byte, retry a failed connect (the endpoint's RST reaches the
 client, as with iptables mode), or touch a rule that is not kpx's. The
@@ -44,6 +52,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
@@ -68,6 +77,8 @@ FULL_SYNC_PERIOD = 3600.0
 element-by-element change ran into it."""
 METRICS_FLUSH_INTERVAL = 1.0
 """Seconds between metric flushes: what a scrape may lag behind the verdicts."""
+READ_TIMEOUT = 0.25
+"""Seconds the reader thread waits in ``recv`` before it looks whether it should stop."""
 BIND_RETRY = 0.1
 """Seconds between attempts to bind a queue a predecessor still holds (a restart)."""
 
@@ -81,6 +92,15 @@ class Table(NamedTuple):
     marks: Mapping[tuple[int, PlanKey], Mapping[tuple[str, int], tuple[int, int]]]
     """(protocol, plan's table key) -> endpoint -> its FORWARD marks (without, with
     masquerade): what a verdict sends, made once per sync."""
+    live: frozenset[tuple[int, str]] = frozenset()
+    """(protocol, service port key) of every plan: the balancers worth keeping."""
+    endpoints: int = 0
+    """Distinct endpoints the marks name, for the log (counted with the rest, off the loop)."""
+
+    def plan(self, proto: int, dst: str, dport: int) -> PortPlan | None:
+        """The plan a packet to ``dst:dport`` meets: its address's own, else the NodePort's."""
+        t = self.plans if proto == TCP else self.udp_plans if proto == UDP else None
+        return None if t is None else t.get((dst, dport)) or t.get(dport)
 
 
 class _Wanted(NamedTuple):
@@ -292,7 +312,10 @@ class NfqueueDataplane:
         """What the table holds, as kpx last wrote it; None: not known, write it whole."""
         self._whole_at = time.monotonic()
         """When the whole table was last written (``install`` counts)."""
-        self._table = Table({}, rules.Served(), {}, {})
+        self._table = Table({}, rules.Served(), {}, {}, frozenset())
+        self._pending: Table | None = None
+        """The table being written: what a SYN the current table has no plan for is
+        decided by (see ``_answer``)."""
         self._udp_serving: object = None
         """What the last stale-UDP cleanup was for (``conntrack.serving``): another runs
         only when it changes, which is when a flow can have gone stale."""
@@ -304,7 +327,8 @@ class NfqueueDataplane:
         self._warn = RateLimitedLog(log)
         self._counts: dict[tuple[str, str], int] = {}
         """(service port, verdict) -> packets since the last ``flush_metrics``."""
-        self._flush_timer: asyncio.TimerHandle | None = None
+        self._reader: threading.Thread | None = None
+        self._stop_reading = False
         self.decided = {"forward": 0, "drop": 0, "reject": 0, "unknown": 0}
         """SYNs answered since start, by verdict (``unknown``: no plan for it)."""
 
@@ -349,18 +373,20 @@ class NfqueueDataplane:
             try:
                 if self._sock is None:
                     await self._bind()
-                # Both sets: a local terminating endpoint (eTP=Local's fallback) is
-                # in ``local`` only, while ready ones elsewhere fill ``cluster``.
-                targets = self._slots.assign(_endpoints(plans, udp_plans))
-                served = served_for(plans, hosts, targets, udp_plans)
-                # Off the loop: at tens of thousands of services the text takes a
-                # while, and SYNs keep being decided meanwhile (the plans are immutable).
+                # Off the loop, as the rendering below is: at tens of thousands of
+                # services this walk takes most of a second, which /healthz and the
+                # other syncs must not wait out (the plans are immutable; only this
+                # task touches the slots).
+                pending = await asyncio.to_thread(self._tabulate, plans, hosts, udp_plans)
+                self._pending = pending
                 if self._mechanism is None:
-                    self._mechanism = await asyncio.to_thread(rules.install, self.cfg, served)
+                    self._mechanism = await asyncio.to_thread(rules.install, self.cfg,
+                                                              pending.served)
                 else:
-                    await self._write(served, self._mechanism)
-                self._written = served
+                    await self._write(pending.served, self._mechanism)
+                self._written = pending.served
             except (OSError, ValueError, RuntimeError) as exc:
+                self._pending = None
                 self._written = None  # unknown now: the next attempt writes the whole table
                 log.error("nfqueue: generation %d not put in force: %s; the last one stays",
                           generation, exc)
@@ -370,11 +396,8 @@ class NfqueueDataplane:
                     self._wanted = wanted
                 await asyncio.sleep(1.0)
                 continue
-            live = {*((TCP, p.key) for p in plans.values()),
-                    *((UDP, p.key) for p in udp_plans.values())}
-            self._balancers = {k: b for k, b in self._balancers.items() if k in live}
-            marks = self._marks(plans, udp_plans)
-            self._table = Table(plans, served, udp_plans, marks)
+            self._table, self._pending = pending, None
+            served = pending.served
             self.generation_in_force = generation
             self.synced.set()
             if self._health is not None:
@@ -382,8 +405,7 @@ class NfqueueDataplane:
             log.info("nfqueue rules in force (generation %d): %d ports on every address,"
                      " %d address:port pairs, %d endpoints", generation,
                      len(served.ports) + len(served.udp_ports),
-                     len(served.pairs) + len(served.udp_pairs),
-                     len({ep for fe in marks.values() for ep in fe}))
+                     len(served.pairs) + len(served.udp_pairs), pending.endpoints)
             await self._clean_udp(udp_plans)
 
     async def _write(self, served: rules.Served, mechanism: rules.Mechanism) -> None:
@@ -413,6 +435,16 @@ class NfqueueDataplane:
         if res.returncode != 0:
             raise RuntimeError(f"nft -f: {res.stderr.strip() or res.returncode}")
         self._whole_at = time.monotonic()
+
+    def _tabulate(self, plans: Mapping[PlanKey, PortPlan], hosts: tuple[str, ...],
+                  udp_plans: Mapping[PlanKey, PortPlan]) -> Table:
+        """Slots for every endpoint, and the table that writing them puts in force."""
+        targets = self._slots.assign(_endpoints(plans, udp_plans))
+        live = frozenset({*((TCP, p.key) for p in plans.values()),
+                          *((UDP, p.key) for p in udp_plans.values())})
+        marks = self._marks(plans, udp_plans)
+        return Table(plans, served_for(plans, hosts, targets, udp_plans), udp_plans, marks, live,
+                     len({ep for fe in marks.values() for ep in fe}))
 
     def _marks(self, plans: Mapping[PlanKey, PortPlan], udp_plans: Mapping[PlanKey, PortPlan]
                ) -> dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]]:
@@ -459,21 +491,69 @@ class NfqueueDataplane:
                 self._warn.warning(("bind",), "nfqueue %d: %s; retrying (a kpx being replaced"
                                    " still holds it?)", self.cfg.queue, exc)
                 await asyncio.sleep(BIND_RETRY)
-        self.loop.add_reader(self._sock.fileno(), self._on_queue)
+        self._sock.blocking(READ_TIMEOUT)
+        self._reader = threading.Thread(target=self._read, args=(self._sock,),
+                                        name=f"nfqueue-{self.cfg.queue}", daemon=True)
+        self._reader.start()
         log.info("nfqueue %d bound (%s)", self.cfg.queue,
                  "fail-open: --queue-bypass" if self.cfg.bypass else "fail-closed")
 
-    # -- the hot path: one batch of SYNs ------------------------------------------------
+    # -- the hot path: one batch of SYNs, in the reader thread ---------------------------
 
-    def _on_queue(self) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        packets = sock.read_batch()
-        if not packets:
-            return
-        table = self._table
-        plans, udp_plans, marks = table.plans, table.udp_plans, table.marks
+    def _read(self, sock: netlink.QueueSocket) -> None:
+        """The reader thread: answer every batch until ``_stop_reading``, then flush the counts.
+
+        Why a thread and not the event loop's reader: a node's SYNs mostly
+        come one per wake-up, and the loop would spend two syscalls on each
+        (``epoll_wait``, then a ``recv`` that finds the queue empty) around
+        the two that do the work. Blocked in ``recv``, the thread is woken by
+        the kernel with its datagram. The loop thread keeps the syncs; what
+        the two share is the ``Table``, swapped whole (one reference), and the
+        balancers, which only this thread creates and prunes.
+        """
+        flushed = time.monotonic()
+        table: Table | None = None
+        while not self._stop_reading:
+            try:
+                packets = sock.read_batch(wait=True)
+            except OSError as exc:
+                if self._stop_reading:
+                    break
+                self._warn.warning(("read", exc.errno), "nfqueue %d: read failed: %s; retrying",
+                                 self.cfg.queue, exc)
+                time.sleep(0.1)
+                continue
+            if self._table is not table:
+                table = self._table
+                self._balancers = {k: b for k, b in self._balancers.items() if k in table.live}
+            if packets:
+                try:
+                    self._answer(sock, packets, table)
+                except Exception:
+                    # A bug must not end the thread: every later SYN would wait in
+                    # the kernel unanswered. This batch's packets are dropped (their
+                    # clients retransmit) and the next batch is decided afresh.
+                    self._warn.warning(("answer",), "nfqueue %d: a batch could not be decided;"
+                                       " its packets are dropped", self.cfg.queue,
+                                       exc_info=True)
+                    with contextlib.suppress(OSError):
+                        sock.send_verdicts([netlink.drop(p.packet_id) for p in packets])
+            now = time.monotonic()
+            if now - flushed >= METRICS_FLUSH_INTERVAL:
+                flushed = now
+                self.flush_metrics()
+        self.flush_metrics()
+
+    def _answer(self, sock: netlink.QueueSocket, packets: list[netlink.Packet],
+                table: Table) -> None:
+        """Decide ``packets`` by ``table`` (the one in force) and send the verdicts at once.
+
+        A packet ``table`` has no plan for was queued by the rules of the table
+        being written (``_pending``): ``nft`` has committed that transaction,
+        or the packet would not have been queued, so its slots are in the
+        kernel and its plans decide the packet. Without this, a new port's
+        first SYNs were refused in the moment between the commit and the swap.
+        """
         lay = self.cfg.layout
         keep = ~lay.mask & 0xFFFFFFFF  # the packet's own bits, kept by every verdict
         local, cidrs = self.local_addresses, self.cluster_cidrs
@@ -488,11 +568,13 @@ class NfqueueDataplane:
                 verdicts.append(netlink.drop(p.packet_id))
                 counts["unknown"] += 1
                 continue
-            table_for = plans if f.proto == TCP else udp_plans if f.proto == UDP else None
-            plan = (None if table_for is None
-                    else table_for.get((f.dst, f.dport)) or table_for.get(f.dport))
+            by = table
+            plan = table.plan(f.proto, f.dst, f.dport)
+            if plan is None and (pending := self._pending) is not None:
+                by = pending
+                plan = pending.plan(f.proto, f.dst, f.dport)
             if plan is None:
-                # The table changed between the queueing and now: as if not served.
+                # Served by neither table (the port went since it was queued).
                 verdicts.append(netlink.accept(p.packet_id, lay.verdict_mark(p.mark, lay.reject)))
                 counts["unknown"] += 1
                 continue
@@ -503,7 +585,7 @@ class NfqueueDataplane:
             udp = f.proto == UDP
             d = decide(plan, f.src, local, balancer, now, (), cidrs)
             if type(d) is Forward:
-                both = marks.get((f.proto, plan.table_key), _NONE).get(d.endpoint.addr)
+                both = by.marks.get((f.proto, plan.table_key), _NONE).get(d.endpoint.addr)
                 if both is not None:
                     mark = both[1] if d.snat else both[0]
                     verdicts.append(netlink.Verdict(p.packet_id, netlink.NF_ACCEPT,
@@ -525,18 +607,14 @@ class NfqueueDataplane:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s:%d -> %s:%d: %s", f.src, f.sport, f.dst, f.dport, d.reason)
         sock.send_verdicts(verdicts)
-        if self._flush_timer is None:
-            self._flush_timer = self.loop.call_later(METRICS_FLUSH_INTERVAL, self.flush_metrics)
 
     def flush_metrics(self) -> None:
-        """Add the counts since the last flush to Prometheus (a timer does it every second).
+        """Add the counts since the last flush to Prometheus (the reader does it every second).
 
         Not per batch: the SYNs of a busy node mostly come one per wake-up, and
-        two labelled ``inc`` calls cost more than deciding the SYN did.
+        two labelled ``inc`` calls cost more than deciding the SYN did. Called
+        by the reader thread, or once it has stopped.
         """
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
         counts, self._counts = self._counts, {}
         _count(counts)
 
@@ -545,10 +623,22 @@ class NfqueueDataplane:
     async def stop_accepting(self) -> None:
         """Give the queue back, so a successor can bind it; established flows are conntrack's."""
         self._accepting = False
-        self.flush_metrics()
+        await asyncio.to_thread(self._stop_reader)
+
+    def _stop_reader(self) -> None:
+        """Stop the reader (within ``READ_TIMEOUT``), then close the queue. Idempotent.
+
+        The socket is closed only once the thread is out of ``recv``: closing
+        an fd another thread is blocked on leaves it blocked, and a reused fd
+        number could be read by it.
+        """
+        self._stop_reading = True
+        if self._reader is not None:
+            self._reader.join()
+            self._reader = None
+        else:
+            self.flush_metrics()
         if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
 
@@ -560,14 +650,9 @@ class NfqueueDataplane:
         if self._closed:
             return
         self._closed = True
-        self.flush_metrics()
         if self._task is not None:
             self._task.cancel()
-        if self._sock is not None:
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
+        self._stop_reader()
         if live_pids() - {os.getpid()}:
             log.info("nfqueue: another kpx is present; its rules stay")
             return

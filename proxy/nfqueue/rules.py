@@ -320,8 +320,8 @@ def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> s
         o, n = olds[name], news[name]
         if o == n:
             continue
-        gone = sorted(_set_element(name, x) for x in o - n)  # type: ignore[operator]
-        came = sorted(_set_element(name, x) for x in n - o)  # type: ignore[operator]
+        gone = [_set_element(name, x) for x in o - n]  # type: ignore[operator]
+        came = [_set_element(name, x) for x in n - o]  # type: ignore[operator]
         if gone:
             dels[name] = gone
         if came:
@@ -338,9 +338,12 @@ def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> s
             if o_slots.get(i) != ep:
                 name, key = _target_key(fe, i, layout)
                 adds.setdefault(name, []).append(f"{key} : {_pair(*ep)}")
-    out = [f"delete element ip {table} {name} {{ {', '.join(sorted(items))} }}\n"
+    # Unsorted: nft takes elements in any order, and sorting the hundreds of
+    # thousands of a big change is a C call that holds the GIL throughout,
+    # while the queue's reader waits with a SYN to decide.
+    out = [f"delete element ip {table} {name} {{ {', '.join(items)} }}\n"
            for name, items in dels.items()]
-    out += [f"add element ip {table} {name} {{ {', '.join(sorted(items))} }}\n"
+    out += [f"add element ip {table} {name} {{ {', '.join(items)} }}\n"
             for name, items in adds.items()]
     return "".join(out)
 

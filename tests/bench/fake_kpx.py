@@ -7,6 +7,13 @@ today. This reads the same state file with ``proxy.k8s.parse_state``, opens
 one listener per NodePort on the node's InternalIP, forwards each new
 connection to the first ready endpoint, and polls the file every 20 ms.
 It is a test double, not a contender: slow and simple on purpose.
+
+``--proxy-mode nfqueue`` stands in for kpx's other mode as the bench sees it
+from outside: no listener, but kpx's nft table ``ip kpx_nfq`` with the set
+``ports`` (the NodePorts) and ``vips`` (the clusterIPs) that ``bench.control``
+reads, here with plain nft DNAT maps to the first ready endpoint instead of a
+queue (the table is rewritten whole, in one transaction, on every change,
+and deleted at SIGTERM).
 """
 
 from __future__ import annotations
@@ -15,17 +22,51 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 import time
 
 from bench.naive_proxy import handle as relay
 from proxy.k8s import StateError, parse_state
 
+NFQ_TABLE = "kpx_nfq"
+
+
+def nfq_script(routes: dict[int, tuple[str, int]],
+               vips: dict[tuple[str, int], tuple[str, int]]) -> str:
+    """kpx_nfq's table, whole: the sets the bench reads and DNAT maps that act on them."""
+
+    def elems(items: list[str]) -> str:
+        return f" elements = {{ {', '.join(items)} }};" if items else ""
+
+    ports = elems([str(p) for p in sorted(routes)])
+    addrs = elems(sorted({a for a, _ in vips}))
+    np_map = elems([f"{p} : {a} . {ap}" for p, (a, ap) in sorted(routes.items())])
+    vip_map = elems([f"{v} . {vp} : {a} . {ap}" for (v, vp), (a, ap) in sorted(vips.items())])
+    return (f"table ip {NFQ_TABLE}\ndelete table ip {NFQ_TABLE}\n"
+            f"table ip {NFQ_TABLE} {{\n"
+            f"  set ports {{ type inet_service;{ports} }}\n"
+            f"  set vips {{ type ipv4_addr;{addrs} }}\n"
+            f"  map np {{ type inet_service : ipv4_addr . inet_service;{np_map} }}\n"
+            f"  map vip {{ type ipv4_addr . inet_service : ipv4_addr . inet_service;{vip_map} }}\n"
+            "  chain pre {\n"
+            "    type nat hook prerouting priority dstnat; policy accept;\n"
+            "    tcp dport @ports fib daddr type local dnat ip to tcp dport map @np\n"
+            "    ip daddr @vips dnat ip to ip daddr . tcp dport map @vip\n"
+            "  }\n"
+            "  chain post {\n"
+            "    type nat hook postrouting priority srcnat; policy accept;\n"
+            "    ct status dnat masquerade\n"
+            "  }\n"
+            "}\n")
+
 
 class Fake:
-    def __init__(self, state: str, node: str) -> None:
+    def __init__(self, state: str, node: str, mode: str = "userspace") -> None:
         self.state = state
         self.node = node
+        self.mode = mode
         self.routes: dict[int, tuple[str, int]] = {}
         self.servers: dict[int, asyncio.AbstractServer] = {}
         self.key: tuple[int, int, int] | None = None
@@ -53,16 +94,32 @@ class Fake:
         node = snap.node(self.node)
         ip = node.internal_ips[0] if node and node.internal_ips else "0.0.0.0"
         routes: dict[int, tuple[str, int]] = {}
+        vips: dict[tuple[str, int], tuple[str, int]] = {}
         for svc in snap.services:
             for p in svc.ports:
-                if not p.node_port:
+                if not p.node_port and not svc.cluster_ip:
                     continue
                 for sl in snap.slices_for(svc):
                     eps = [e for e in sl.endpoints if e.ready]
                     sp = next((x for x in sl.ports if x.name == p.name), None)
                     if eps and sp:
-                        routes[p.node_port] = (eps[0].address, sp.port)
+                        if p.node_port:
+                            routes[p.node_port] = (eps[0].address, sp.port)
+                        if svc.cluster_ip:
+                            vips[(svc.cluster_ip, p.port)] = (eps[0].address, sp.port)
                         break
+        if self.mode == "nfqueue":
+            # Not check=True: a SIGTERM to the process group may kill nft mid-write;
+            # the fake must still get to its cleanup.
+            cp = subprocess.run(["nft", "-f", "-"], input=nfq_script(routes, vips), text=True,
+                                capture_output=True, check=False)
+            if cp.returncode != 0:
+                print(f"nft -f: {cp.stderr.strip()}", file=sys.stderr, flush=True)
+                self.key = None  # try again on the next poll
+                return
+            print(f"fake kpx (nfqueue) synced {len(routes)} NodePorts, {len(vips)} VIP ports "
+                  f"in {(time.perf_counter() - t0) * 1000:.1f} ms", file=sys.stderr, flush=True)
+            return
         self.routes = routes
         for port in [p for p in self.servers if p not in routes]:
             self.servers.pop(port).close()
@@ -90,10 +147,25 @@ class Fake:
     async def run(self, healthz: str | None = None) -> None:
         if healthz:
             await self.healthz(healthz)
-        while True:
-            with contextlib.suppress(FileNotFoundError):
-                await self.sync()
-            await asyncio.sleep(0.02)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(FileNotFoundError):
+                    await self.sync()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.02)
+        finally:
+            if self.mode == "nfqueue":
+                self.remove()
+
+    def remove(self) -> None:
+        """Delete kpx_nfq's table (a killed nft may have been mid-write: whatever is there)."""
+        for _ in range(3):
+            if subprocess.run(["nft", "-f", "-"], check=False, text=True,
+                              input=f"table ip {NFQ_TABLE}\ndelete table ip {NFQ_TABLE}\n"
+                              ).returncode == 0:
+                return
 
 
 def main() -> int:
@@ -105,8 +177,9 @@ def main() -> int:
     n.add_argument("--no-healthz", action="store_true")
     n.add_argument("--healthz-bind-address", default=None)
     n.add_argument("--metrics-bind-address", default=None)
+    n.add_argument("--proxy-mode", choices=("userspace", "nfqueue"), default="userspace")
     a = ap.parse_args()
-    asyncio.run(Fake(a.state, a.hostname_override).run(a.healthz_bind_address))
+    asyncio.run(Fake(a.state, a.hostname_override, a.proxy_mode).run(a.healthz_bind_address))
     return 0
 
 

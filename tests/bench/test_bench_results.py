@@ -148,7 +148,27 @@ def test_targets_follow_the_issue_table() -> None:
         "stall_conn": ("stall_conn_p99_ms", "<=", 50.0, None),
         "stall_healthz": ("stall_healthz_p99_ms", "<=", 50.0, None),
         "workers": ("req_per_s", ">=", 1.7, "kpx"),
+        "apply_nfq": ("apply_s", "<=", 1.0, None),
+        "converge_nfq": ("converge_p99_ms", "<=", 100.0, None),
+        "stall_conn_nfq": ("stall_conn_p99_ms", "<=", 50.0, None),
+        "stall_healthz_nfq": ("stall_healthz_p99_ms", "<=", 50.0, None),
     }
+    subjects = {t.key: t.subject for t in TARGETS}
+    assert subjects["apply"] == "kpx" and subjects["apply_nfq"] == "kpx-nfq"
+
+
+def test_control_targets_are_judged_per_proxy_mode() -> None:
+    """kpx-nfq's control cells meet or miss the same goals as the relay's, each its own row."""
+    t = CellTable()
+    t.cell(None, "apply-10000", "kpx").add(ok(apply_s=0.6))
+    t.cell(None, "apply-10000", "kpx-nfq").add(ok(apply_s=1.4))
+    t.cell(None, "converge", "kpx-nfq").add(ok(converge_p50_ms=5.0, converge_p99_ms=9.0))
+    res = {r.key: r for r in evaluate_targets(t)}
+    assert res["apply"].status == "met" and res["apply"].measured == pytest.approx(0.6)
+    assert res["apply_nfq"].status == "missed" and res["apply_nfq"].measured == pytest.approx(1.4)
+    assert res["converge_nfq"].status == "met" and res["converge"].status == "not measured"
+    assert res["stall_conn_nfq"].reason == "kpx-nfq stall-50000 not measured"
+    assert res["apply_nfq"].label.startswith("kpx-nfq: ")
 
 
 def full_table() -> CellTable:

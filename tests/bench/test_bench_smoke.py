@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,29 +114,44 @@ def test_every_contender_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_control_plumbing_with_a_stand_in_kpx(tmp_path: Path) -> None:
-    """apply / idle / converge against fake_kpx.py: the harness side of control works."""
+    """apply / idle / converge / stall against fake_kpx.py, in both proxy modes: the
+    harness side of control works for the relay's listeners and for kpx-nfq's nft sets."""
     require_lab()
     pytest.importorskip("proxy.k8s")
     cfg = Config(
         quick=True, runs=1, paths=["local"], workloads=["rr", "control"],
-        contenders=["kpx"], out=tmp_path, kpx=fake_kpx(tmp_path),
+        contenders=["kpx", "kpx-nfq"], out=tmp_path, kpx=fake_kpx(tmp_path),
         settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0}, pause=0.1),
+        # stall_timeout 3 s: the stand-in relay logs no "VIPs in force", so its
+        # apply-cip cells fail once nothing moves for that long.
         control=ControlSettings(sizes=(20, 60), changes=5, conv_services=20,
-                                idle_seconds=0.5, apply_timeout=30.0,
+                                idle_seconds=0.5, apply_timeout=30.0, stall_timeout=3.0,
                                 stall_services=200, stall_node_ports=40, stall_tail=0.3),
     )
-    _doc, table, text = run_bench(cfg)
-    for w in ("apply-20", "apply-60", "idle-20", "idle-60", "converge", "stall-200"):
-        cell = table.get(None, w, "kpx")
-        assert cell is not None and cell.status == "ok", (w, cell and cell.reason, text)
-    conv = table.get(None, "converge", "kpx")
-    assert len(conv.runs[0].detail["samples_ms"]) == 5
-    stall = table.get(None, "stall-200", "kpx").runs[0]
-    assert stall.detail["node_ports"] == 40 and stall.detail["cluster_ip_services"] == 160
-    assert stall.detail["conn"]["probes"] > 10 and stall.detail["healthz"]["probes"] > 10
-    assert {"stall_conn_p99_ms", "stall_healthz_p99_ms"} <= set(stall.metrics)
-    assert table.get("local", "rr", "kpx").status == "ok"
+    doc, table, text = run_bench(cfg)
+    for c in ("kpx", "kpx-nfq"):
+        for w in ("apply-20", "apply-60", "idle-20", "idle-60", "converge", "stall-200"):
+            cell = table.get(None, w, c)
+            assert cell is not None and cell.status == "ok", (c, w, cell and cell.reason, text)
+        conv = table.get(None, "converge", c)
+        assert len(conv.runs[0].detail["samples_ms"]) == 5
+        stall = table.get(None, "stall-200", c).runs[0]
+        assert stall.detail["node_ports"] == 40 and stall.detail["cluster_ip_services"] == 160
+        assert stall.detail["conn"]["probes"] > 10 and stall.detail["healthz"]["probes"] > 10
+        assert {"stall_conn_p99_ms", "stall_healthz_p99_ms"} <= set(stall.metrics)
+        assert table.get("local", "rr", c).status == "ok"
+        apply = table.get(None, "apply-60", c).runs[0]
+        assert apply.detail["polls"] >= 1 and apply.detail["answered_s"] >= apply.metrics["apply_s"]
+    # kpx-nfq is timed on its nft sets: the stand-in's VIPs are in its vips set, and a
+    # pod on node1 reaches the first and last through them.
+    cip = table.get(None, "apply-cip-60", "kpx-nfq")
+    assert cip.status == "ok" and cip.runs[0].detail["cluster_ips"] == 60, cip.to_json()
+    assert table.get(None, "apply-cip-60", "kpx").status == "failed"  # the stand-in's limit
     assert table.get("local", "rr", "kpx-w2") is None
+    assert not [n for n in doc["notes"] if "kpx-nfq" in n], doc["notes"]
+    # The live counter plans every control row of both modes (apply-cip included).
+    steps = [(int(k), int(t)) for k, t in re.findall(r"\[(\d+)/(\d+)\]", text)]
+    assert steps and steps[-1][0] == steps[-1][1] and all(k <= t for k, t in steps), steps
 
 
 def test_namespace_clash_aborts_cleanly_and_leaves_foreign_namespaces(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ not connected sockets, not the root namespace's, and the same set as the
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -77,3 +78,33 @@ def test_listening_ports_reads_a_dump_larger_than_one_message(ns_thread: NsThrea
     finally:
         for s in socks:
             s.close()
+
+
+def test_kpx_nfqueue_sets_read_from_a_thread_in_the_namespace(ns_thread: NsThread) -> None:
+    """What the control workload times kpx-nfq's apply by: ``nft -j list set`` run from
+    the namespace's thread sees that namespace's kpx_nfq table, as kpx renders it."""
+    rules = pytest.importorskip("proxy.nfqueue.rules")
+    if shutil.which("nft") is None:
+        pytest.skip("needs nft")
+    from bench.control import (
+        NFQ_PORTS_SET,
+        NFQ_TABLE,
+        NFQ_VIPS_SET,
+        nft_addresses_of,
+        nft_list_set,
+        nft_ports_in,
+    )
+
+    assert ns_thread.call(nft_list_set, NFQ_TABLE, NFQ_PORTS_SET) == []  # no table yet
+    vips = {f"10.96.0.{i}" for i in range(1, 6)}
+    served = rules.Served(ports=frozenset(range(20000, 21500)), vips=frozenset(vips))
+    subprocess.run(["ip", "netns", "exec", ns_thread.ns, "nft", "-f", "-"], check=True,
+                   text=True, input=rules.nft_script(rules.QueueConfig(), served, "xt"))
+    ports = ns_thread.call(nft_list_set, NFQ_TABLE, NFQ_PORTS_SET)
+    assert nft_ports_in(ports, 20000, 21500) == 1500
+    assert nft_ports_in(ports, 20000, 20010) == 10
+    got = ns_thread.call(nft_list_set, NFQ_TABLE, NFQ_VIPS_SET)
+    assert nft_addresses_of(got, vips | {"10.96.0.9"}) == 5
+    # Absent reads as empty (kpx not started, or gone); any other failure is an error.
+    with pytest.raises(OSError, match=r"list set ip kpx_nfq ports!.*syntax error"):
+        ns_thread.call(nft_list_set, NFQ_TABLE, "ports!")

@@ -9,15 +9,22 @@ endpoints nowhere; conntrack's values follow kube-proxy's flags.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import socket
+import struct
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from proxy.core.decision import build_plans
 from proxy.core.model import EndpointPort, ServicePort
 from proxy.nfqueue import conntrack
-from proxy.nfqueue.dataplane import Slots, Targets, served_for
+from proxy.nfqueue.dataplane import NfqueueDataplane, Slots, Targets, served_for
+from proxy.nfqueue.netlink import NF_ACCEPT, NF_DROP, Packet, Verdict
 from tests.support.model import endpoint, endpoint_slice, service, snapshot
 
 A, B, C = ("10.244.1.5", 8080), ("10.244.2.5", 8080), ("10.244.3.5", 8080)
@@ -157,3 +164,77 @@ def test_a_udp_port_without_endpoints_keeps_its_flows() -> None:
     table = udp_plans()
     assert conntrack.serving(table) == ({}, {})  # type: ignore[arg-type]
     assert conntrack.stale_udp([entry(NODE, 30053, NODE)], table, {NODE}) == []  # type: ignore[arg-type]
+
+
+# -- the reader: which table decides, and a batch that fails --------------------------
+
+
+def syn(dport: int, src: str = "192.0.2.7", dst: str = "10.77.0.11") -> bytes:
+    """An IPv4 header and the first 20 bytes of a TCP SYN: what the queue copies."""
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 40, 1, 0, 64, 6, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    return ip + struct.pack("!HHIIBBHHH", 40000, dport, 1, 0, 5 << 4, 0x02, 65535, 0, 0)
+
+
+class FakeQueue:
+    """What the reader uses of a ``QueueSocket``: batches in, verdicts out."""
+
+    def __init__(self, batches: list[list[Packet]]) -> None:
+        self.batches = batches
+        self.sent: list[Verdict] = []
+
+    def read_batch(self, max_reads: int = 64, *, wait: bool = False) -> list[Packet]:
+        if self.batches:
+            return self.batches.pop(0)
+        time.sleep(0.01)
+        return []
+
+    def send_verdicts(self, verdicts: list[Verdict]) -> None:
+        self.sent.extend(verdicts)
+
+
+def dataplane() -> NfqueueDataplane:
+    dp = NfqueueDataplane(loop=asyncio.new_event_loop())
+    dp.local_addresses = frozenset({"10.77.0.11"})
+    return dp
+
+
+def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written() -> None:
+    """nft committed the new port, so the SYN was queued: the swap has not happened yet."""
+    dp = dataplane()
+    dp._table = dp._tabulate({}, ("0.0.0.0",), {})
+    dp._pending = dp._tabulate(plans(A), ("0.0.0.0",), {})  # type: ignore[arg-type]
+    q = FakeQueue([])
+    dp._answer(q, [Packet(1, 0, syn(30080)), Packet(2, 0, syn(30099))],  # type: ignore[arg-type]
+               dp._table)
+    lay = dp.cfg.layout
+    assert q.sent[0] == Verdict(1, NF_ACCEPT, lay.forward(1))  # A's slot in the new table
+    assert q.sent[1] == Verdict(2, NF_ACCEPT, lay.reject)  # in neither table: refused
+    assert dp.decided == {"forward": 1, "drop": 0, "reject": 0, "unknown": 1}
+
+
+def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch() -> None:
+    dp = dataplane()
+    dp._table = dp._tabulate(plans(A), ("0.0.0.0",), {})  # type: ignore[arg-type]
+    q = FakeQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))]])
+    calls = 0
+    answer = dp._answer
+
+    def flaky(sock: Any, packets: list[Packet], table: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a planted bug")
+        answer(sock, packets, table)
+
+    dp._answer = flaky  # type: ignore[method-assign]
+    reader = threading.Thread(target=dp._read, args=(q,))
+    reader.start()
+    deadline = time.monotonic() + 5
+    while len(q.sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dp._stop_reading = True
+    reader.join(5)
+    assert not reader.is_alive()
+    assert q.sent == [Verdict(1, NF_DROP, None),
+                      Verdict(2, NF_ACCEPT, dp.cfg.layout.forward(1))]
