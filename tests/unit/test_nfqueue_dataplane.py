@@ -15,6 +15,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,15 +194,20 @@ class FakeQueue:
         self.sent.extend(verdicts)
 
 
-def dataplane() -> NfqueueDataplane:
-    dp = NfqueueDataplane(loop=asyncio.new_event_loop())
+@pytest.fixture
+def dataplane() -> Iterator[NfqueueDataplane]:
+    """A dataplane that never binds: only its reader's halves are driven, by hand."""
+    loop = asyncio.new_event_loop()
+    dp = NfqueueDataplane(loop=loop)
     dp.local_addresses = frozenset({"10.77.0.11"})
-    return dp
+    yield dp
+    loop.close()
 
 
-def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written() -> None:
+def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written(
+        dataplane: NfqueueDataplane) -> None:
     """nft committed the new port, so the SYN was queued: the swap has not happened yet."""
-    dp = dataplane()
+    dp = dataplane
     dp._table = dp._tabulate({}, ("0.0.0.0",), {})
     dp._pending = dp._tabulate(plans(A), ("0.0.0.0",), {})  # type: ignore[arg-type]
     q = FakeQueue([])
@@ -213,8 +219,9 @@ def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written()
     assert dp.decided == {"forward": 1, "drop": 0, "reject": 0, "unknown": 1}
 
 
-def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch() -> None:
-    dp = dataplane()
+def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch(
+        dataplane: NfqueueDataplane) -> None:
+    dp = dataplane
     dp._table = dp._tabulate(plans(A), ("0.0.0.0",), {})  # type: ignore[arg-type]
     q = FakeQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))]])
     calls = 0
