@@ -1,0 +1,102 @@
+"""The compose lab, up for real on this machine's engine, driven by pytest-docker.
+
+Owns: pytest-docker's fixtures pointed at kpx's compose file and at
+``compose/kpx-compose`` (the engine picker: podman-compose here, in a network
+namespace of its own; ``docker compose`` where Docker is installed), one
+project per pytest process, a copy of ``compose/state`` the tests may edit,
+and the sweep that leaves no container, network, volume or namespace of the
+project behind, pass or fail (pytest-docker skips its ``down`` when ``up``
+itself failed; the sweep does not).
+
+Never: edits the committed ``compose/state``; touches the root network
+namespace (podman's bridges and firewall live in ``kpx-compose-<pid>``); uses
+a container, network or volume that is not this project's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.compose.composekit import KPX_COMPOSE, ROOT, ComposeEnv, Lab
+
+
+def _require_engine() -> str:
+    if os.geteuid() != 0:
+        pytest.skip("the compose lab needs root (podman rootful, network namespaces)")
+    res = subprocess.run([str(KPX_COMPOSE), "--engine"], capture_output=True, text=True,
+                         check=False)
+    # No engine is a failure, not a skip: .ci/system-deps installs podman.
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def compose_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeEnv]:
+    engine = _require_engine()
+    state_dir = tmp_path_factory.mktemp("compose-state")
+    shutil.copytree(ROOT / "compose" / "state", state_dir, dirs_exist_ok=True)
+    env = ComposeEnv(engine=engine, project=f"kpxtest{os.getpid()}",
+                     netns=f"kpx-compose-{os.getpid()}", state_dir=state_dir)
+    try:
+        yield env
+    finally:
+        # After pytest-docker's `down` (this fixture is set up before it).
+        env.sweep()
+
+
+@pytest.fixture(scope="session")
+def docker_compose_command(compose_env: ComposeEnv) -> str:
+    # pytest-docker runs this through a shell, appending -f/-p and a subcommand.
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in compose_env.env.items()
+                   if k.startswith("KPX_"))
+    return f"{env} {shlex.quote(str(KPX_COMPOSE))}"
+
+
+@pytest.fixture(scope="session")
+def docker_compose_file() -> str:
+    return str(ROOT / "docker-compose.yml")
+
+
+@pytest.fixture(scope="session")
+def docker_compose_project_name(compose_env: ComposeEnv) -> str:
+    return compose_env.project
+
+
+@pytest.fixture(scope="session")
+def docker_setup() -> list[str]:
+    # One build (every service shares the image), then the lab.
+    return ["build node1", "up -d"]
+
+
+@pytest.fixture(scope="session")
+def docker_cleanup() -> list[str]:
+    return ["down -v -t 1"]
+
+
+@pytest.fixture(scope="session")
+def compose_lab(compose_env: ComposeEnv, docker_services: Any) -> Lab:
+    """The lab once the LB answers through node1 (its probe marks nodes healthy in ~1 s)."""
+    lab = Lab(compose_env)
+    docker_services.wait_until_responsive(
+        check=lambda: (lab.who() or {}).get("pod") == "web-1", timeout=60.0, pause=0.5)
+    return lab
+
+
+@pytest.fixture
+def restore_state(compose_lab: Lab) -> Iterator[str]:
+    """The state file's text now; written back (and the LB back on web-1) after the test."""
+    original = compose_lab.state_file().read_text()
+    try:
+        yield original
+    finally:
+        with contextlib.suppress(Exception):
+            compose_lab.write_state(original)
+            compose_lab.wait_for_pod("web-1", timeout=30.0)
