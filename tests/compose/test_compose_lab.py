@@ -19,6 +19,8 @@ import pytest
 
 from tests.compose.composekit import CLIENT_IP, Lab
 
+pytestmark = pytest.mark.compose
+
 NODE_IPS = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}
 NODE_PORT = 30080
 HEALTH_PORT = 32080
