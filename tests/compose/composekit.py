@@ -132,12 +132,33 @@ class Lab:
         tmp.write_text(text)
         os.replace(tmp, self.state_file())
 
-    def wait_for_pod(self, pod: str, timeout: float) -> float:
-        """Seconds until the LB's answers come from *pod* (bounded by *timeout*)."""
+    def lb_status(self) -> dict[str, Any] | None:
+        """The LB's status file (lab/lb/daemon.py), None until it exists."""
+        res = self.exec("lb", "cat", "/tmp/lb-status.json")
+        if res.returncode != 0:
+            return None
+        try:
+            return json.loads(res.stdout)
+        except json.JSONDecodeError:
+            return None
+
+    def serving(self) -> list[str] | None:
+        """The nodes the LB sends to now, None while it fails open or has not probed them all."""
+        status = self.lb_status()
+        if not status or not status.get("ready") or status.get("failOpen"):
+            return None
+        return list(status["serving"])
+
+    def settled_on(self, node: str, pod: str) -> bool:
+        """The LB serves through *node* alone and the answer comes from *pod*."""
+        return self.serving() == [node] and (self.who() or {}).get("pod") == pod
+
+    def wait_for(self, node: str, pod: str, timeout: float) -> float:
+        """Seconds until :meth:`settled_on` holds (bounded by *timeout*)."""
         start = time.monotonic()
         while time.monotonic() - start < timeout:
-            got = self.who()
-            if got and got.get("pod") == pod:
+            if self.settled_on(node, pod):
                 return time.monotonic() - start
             time.sleep(0.25)
-        raise AssertionError(f"the LB did not reach {pod} within {timeout} s (last: {got})")
+        raise AssertionError(f"the LB did not settle on {node}/{pod} within {timeout} s "
+                             f"(serving {self.serving()}, answer {self.who()})")

@@ -83,10 +83,15 @@ def docker_cleanup() -> list[str]:
 
 @pytest.fixture(scope="session")
 def compose_lab(compose_env: ComposeEnv, docker_services: Any) -> Lab:
-    """The lab once the LB answers through node1 (its probe marks nodes healthy in ~1 s)."""
+    """The lab once the LB has probed every node (passes and failures both count).
+
+    Until then it fails open (every node gets traffic), so an answer alone
+    would not tell that the lab has settled; which nodes it then serves
+    through is for the tests to check.
+    """
     lab = Lab(compose_env)
     docker_services.wait_until_responsive(
-        check=lambda: (lab.who() or {}).get("pod") == "web-1", timeout=60.0, pause=0.5)
+        check=lambda: (lab.lb_status() or {}).get("ready") is True, timeout=60.0, pause=0.5)
     return lab
 
 
@@ -99,4 +104,4 @@ def restore_state(compose_lab: Lab) -> Iterator[str]:
     finally:
         with contextlib.suppress(Exception):
             compose_lab.write_state(original)
-            compose_lab.wait_for_pod("web-1", timeout=30.0)
+            compose_lab.wait_for("node1", "web-1", timeout=30.0)

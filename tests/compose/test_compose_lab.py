@@ -29,6 +29,8 @@ CURL_REFUSED = 7
 
 
 def test_node1_answers_through_the_lb_and_the_pod_sees_the_client(compose_lab: Lab) -> None:
+    # The LB's probes of the healthCheckNodePort found node1 alone healthy.
+    assert compose_lab.serving() == ["node1"], compose_lab.lb_status()
     for _ in range(5):  # every answer, not just one: the LB's only healthy node is node1
         got = compose_lab.who()
         assert got is not None, "no answer through the LB"
@@ -73,7 +75,7 @@ def test_the_lb_follows_the_endpoint_to_web_2(compose_lab: Lab, restore_state: s
     compose_lab.write_state(moved)
     # Nodes reload within a second; the LB marks node1 down after 2 failed
     # probes 1 s apart and node2 up after 1 pass: a few seconds in all.
-    took = compose_lab.wait_for_pod("web-2", timeout=15.0)
+    took = compose_lab.wait_for("node2", "web-2", timeout=15.0)
     assert took < 10.0, f"the LB took {took:.1f} s to follow"
     got = compose_lab.who()
     assert got is not None
