@@ -1,6 +1,6 @@
 """The compose lab, up for real on this machine's engine, driven by pytest-docker.
 
-Owns: pytest-docker's fixtures pointed at kpx's compose file and at
+Owns: pytest-docker's up/down (module-scoped) around kpx's compose file with
 ``compose/kpx-compose`` (the engine picker: podman-compose here, in a network
 namespace of its own; ``docker compose`` where Docker is installed), one
 project per pytest process, a copy of ``compose/state`` the tests may edit,
@@ -21,9 +21,9 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
+from pytest_docker.plugin import Services, get_docker_services
 
 from tests.compose.composekit import KPX_COMPOSE, ROOT, ComposeEnv, Lab
 
@@ -38,7 +38,7 @@ def _require_engine() -> str:
     return res.stdout.strip()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def compose_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeEnv]:
     engine = _require_engine()
     state_dir = tmp_path_factory.mktemp("compose-state")
@@ -48,41 +48,33 @@ def compose_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeEnv
     try:
         yield env
     finally:
-        # After pytest-docker's `down` (this fixture is set up before it).
+        # After pytest-docker's `down` (compose_services depends on this fixture).
         env.sweep()
 
 
-@pytest.fixture(scope="session")
-def docker_compose_command(compose_env: ComposeEnv) -> str:
-    # pytest-docker runs this through a shell, appending -f/-p and a subcommand.
+@pytest.fixture(scope="module")
+def compose_services(compose_env: ComposeEnv) -> Iterator[Services]:
+    """pytest-docker's up/down around the module, with kpx-compose as the compose command.
+
+    Module scope, not pytest-docker's default session: the lab's seven
+    containers go as soon as its tests are done instead of idling through
+    the rest of the suite.
+    """
+    # pytest-docker runs the command through a shell, appending -f/-p and a subcommand.
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in compose_env.env.items()
                    if k.startswith("KPX_"))
-    return f"{env} {shlex.quote(str(KPX_COMPOSE))}"
+    with get_docker_services(
+        f"{env} {shlex.quote(str(KPX_COMPOSE))}",
+        str(ROOT / "docker-compose.yml"),
+        compose_env.project,
+        ["build node1", "up -d"],  # one build (every service shares the image), then the lab
+        ["down -v -t 1"],
+    ) as services:
+        yield services
 
 
-@pytest.fixture(scope="session")
-def docker_compose_file() -> str:
-    return str(ROOT / "docker-compose.yml")
-
-
-@pytest.fixture(scope="session")
-def docker_compose_project_name(compose_env: ComposeEnv) -> str:
-    return compose_env.project
-
-
-@pytest.fixture(scope="session")
-def docker_setup() -> list[str]:
-    # One build (every service shares the image), then the lab.
-    return ["build node1", "up -d"]
-
-
-@pytest.fixture(scope="session")
-def docker_cleanup() -> list[str]:
-    return ["down -v -t 1"]
-
-
-@pytest.fixture(scope="session")
-def compose_lab(compose_env: ComposeEnv, docker_services: Any) -> Lab:
+@pytest.fixture(scope="module")
+def compose_lab(compose_env: ComposeEnv, compose_services: Services) -> Lab:
     """The lab once the LB has probed every node (passes and failures both count).
 
     Until then it fails open (every node gets traffic), so an answer alone
@@ -90,7 +82,7 @@ def compose_lab(compose_env: ComposeEnv, docker_services: Any) -> Lab:
     through is for the tests to check.
     """
     lab = Lab(compose_env)
-    docker_services.wait_until_responsive(
+    compose_services.wait_until_responsive(
         check=lambda: (lab.lb_status() or {}).get("ready") is True, timeout=60.0, pause=0.5)
     return lab
 
