@@ -26,6 +26,16 @@ LB_URL = "http://10.79.0.1/"
 CLIENT_IP = "10.79.0.100"
 
 
+def _json_or_none(res: subprocess.CompletedProcess[str]) -> dict[str, Any] | None:
+    """A command's JSON output; None when it failed or printed something else (not up yet)."""
+    if res.returncode != 0:
+        return None
+    try:
+        return json.loads(res.stdout)
+    except json.JSONDecodeError:
+        return None
+
+
 @dataclass(frozen=True)
 class ComposeEnv:
     """What every call of kpx-compose for this test session shares."""
@@ -110,13 +120,7 @@ class Lab:
 
     def who(self) -> dict[str, Any] | None:
         """The echo pod's answer through the LB, or None when none came."""
-        res = self.curl(LB_URL)
-        if res.returncode != 0:
-            return None
-        try:
-            return json.loads(res.stdout)
-        except json.JSONDecodeError:
-            return None
+        return _json_or_none(self.curl(LB_URL))
 
     def status(self, url: str) -> tuple[int, str]:
         res = self.curl(url, "-o", "/dev/stderr", "-w", "%{http_code}")
@@ -134,13 +138,7 @@ class Lab:
 
     def lb_status(self) -> dict[str, Any] | None:
         """The LB's status file (lab/lb/daemon.py), None until it exists."""
-        res = self.exec("lb", "cat", "/tmp/lb-status.json")
-        if res.returncode != 0:
-            return None
-        try:
-            return json.loads(res.stdout)
-        except json.JSONDecodeError:
-            return None
+        return _json_or_none(self.exec("lb", "cat", "/tmp/lb-status.json"))
 
     def serving(self) -> list[str] | None:
         """The nodes the LB sends to now, None while it fails open or has not probed them all."""
