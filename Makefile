@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 KPX   := $(VENV)/bin/kpx
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint down bench bench-quick clean
+.PHONY: setup run test lint down bench bench-quick clean compose-up compose-down
 
 $(STAMP): pyproject.toml
 	bash .ci/system-deps
@@ -35,6 +35,18 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check proxy healthz lab bench tests
 	$(VENV)/bin/lint-imports
+
+# The compose lab (docker-compose.yml) on whichever engine is present:
+# `docker compose` when Docker answers, else podman-compose (see compose/README.md).
+compose-up: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" compose/kpx-compose up -d --build
+	@echo
+	@echo "The compose lab is up. Try:  compose/kpx-compose exec client curl -s http://10.79.0.1/"
+	@echo "Remove it with:              make compose-down"
+
+compose-down: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" compose/kpx-compose down -v -t 1
+	@if [ "$$(compose/kpx-compose --engine)" = podman ]; then compose/kpx-compose --release; fi
 
 bench: $(STAMP)
 	$(KPX) bench
