@@ -52,6 +52,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -77,8 +78,6 @@ FULL_SYNC_PERIOD = 3600.0
 element-by-element change ran into it."""
 METRICS_FLUSH_INTERVAL = 1.0
 """Seconds between metric flushes: what a scrape may lag behind the verdicts."""
-READ_TIMEOUT = 0.25
-"""Seconds the reader thread waits in ``recv`` before it looks whether it should stop."""
 BIND_RETRY = 0.1
 """Seconds between attempts to bind a queue a predecessor still holds (a restart)."""
 
@@ -329,6 +328,8 @@ class NfqueueDataplane:
         """(service port, verdict) -> packets since the last ``flush_metrics``."""
         self._reader: threading.Thread | None = None
         self._stop_reading = False
+        self._wake_r = self._wake_w = -1
+        """The pipe that wakes the reader to stop."""
         self.decided = {"forward": 0, "drop": 0, "reject": 0, "unknown": 0}
         """SYNs answered since start, by verdict (``unknown``: no plan for it)."""
 
@@ -491,36 +492,42 @@ class NfqueueDataplane:
                 self._warn.warning(("bind",), "nfqueue %d: %s; retrying (a kpx being replaced"
                                    " still holds it?)", self.cfg.queue, exc)
                 await asyncio.sleep(BIND_RETRY)
-        self._sock.blocking(READ_TIMEOUT)
-        self._reader = threading.Thread(target=self._read, args=(self._sock,),
-                                        name=f"nfqueue-{self.cfg.queue}", daemon=True)
-        self._reader.start()
+        self._start_reader(self._sock)
         log.info("nfqueue %d bound (%s)", self.cfg.queue,
                  "fail-open: --queue-bypass" if self.cfg.bypass else "fail-closed")
 
     # -- the hot path: one batch of SYNs, in the reader thread ---------------------------
 
-    def _read(self, sock: netlink.QueueSocket) -> None:
-        """The reader thread: answer every batch until ``_stop_reading``, then flush the counts.
+    def _start_reader(self, sock: netlink.QueueSocket) -> None:
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._reader = threading.Thread(target=self._read, args=(sock,),
+                                        name=f"nfqueue-{self.cfg.queue}", daemon=True)
+        self._reader.start()
 
-        Why a thread and not the event loop's reader: a node's SYNs mostly
-        come one per wake-up, and the loop would spend two syscalls on each
-        (``epoll_wait``, then a ``recv`` that finds the queue empty) around
-        the two that do the work. Blocked in ``recv``, the thread is woken by
-        the kernel with its datagram. The loop thread keeps the syncs; what
-        the two share is the ``Table``, swapped whole (one reference), and the
-        balancers, which only this thread creates and prunes.
+    def _read(self, sock: netlink.QueueSocket) -> None:
+        """The reader thread: answer every batch until woken to stop, then flush the counts.
+
+        Why a thread and not the event loop's reader: the loop also runs the
+        syncs and /healthz, and a SYN queued while it is busy waits until it
+        is done. The two share the ``Table``, swapped whole (one reference);
+        the balancers are this thread's alone. It sleeps in ``poll`` on the
+        queue and the wake pipe, with no timeout while no count waits to be
+        flushed: an idle node costs nothing.
         """
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         flushed = time.monotonic()
         table: Table | None = None
         while not self._stop_reading:
+            poller.poll(METRICS_FLUSH_INTERVAL * 1000 if self._counts else None)
+            if self._stop_reading:
+                break
             try:
-                packets = sock.read_batch(wait=True)
+                packets = sock.read_batch()
             except OSError as exc:
-                if self._stop_reading:
-                    break
                 self._warn.warning(("read", exc.errno), "nfqueue %d: read failed: %s; retrying",
-                                 self.cfg.queue, exc)
+                                   self.cfg.queue, exc)
                 time.sleep(0.1)
                 continue
             if self._table is not table:
@@ -626,16 +633,19 @@ class NfqueueDataplane:
         await asyncio.to_thread(self._stop_reader)
 
     def _stop_reader(self) -> None:
-        """Stop the reader (within ``READ_TIMEOUT``), then close the queue. Idempotent.
+        """Wake the reader to stop and wait for it, then close the queue. Idempotent.
 
-        The socket is closed only once the thread is out of ``recv``: closing
-        an fd another thread is blocked on leaves it blocked, and a reused fd
-        number could be read by it.
+        The socket is closed only once the thread is out of ``poll`` and
+        ``recv``: an fd closed under a thread that waits on it leaves it
+        waiting, and a reused fd number could be read by it.
         """
         self._stop_reading = True
         if self._reader is not None:
+            os.write(self._wake_w, b"\0")
             self._reader.join()
             self._reader = None
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
         else:
             self.flush_metrics()
         if self._sock is not None:

@@ -10,9 +10,8 @@ shell around them: one netlink socket bound to one queue number.
 
 Never: decide anything about a packet (the caller's decision picks the
 verdict and its mark: ``proxy.nfqueue.rules`` says what a mark means), touch
-netfilter rules, block an event loop (``read_batch`` waits only when asked
-to, on a socket made ``blocking`` for a thread of its own; ``send_verdicts``
-never waits; the constructor waits, bounded, for its config acks), or
+netfilter rules, block the event loop (``read_batch`` and ``send_verdicts``
+never wait; only the constructor waits, bounded, for its config acks), or
 hold a packet: a packet read is the caller's to answer, and one never
 answered stays in the kernel's queue until the socket closes (then it is
 dropped, fail-closed, like everything queued to a queue nobody reads).
@@ -464,10 +463,10 @@ class QueueSocket:
                     return
         raise OSError(errno.ETIMEDOUT, f"nfqueue {self.queue}: {what}: no answer from the kernel")
 
-    def _recv(self, flags: int = 0) -> int | None:
+    def _recv(self) -> int | None:
         """One datagram into the buffer: its size; 0 if messages were lost; None if none waits."""
         try:
-            return self._sock.recv_into(self._buf, 0, flags)
+            return self._sock.recv_into(self._buf)
         except BlockingIOError:
             return None
         except OSError as exc:
@@ -485,32 +484,16 @@ class QueueSocket:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def blocking(self, timeout: float) -> None:
-        """Make ``read_batch(wait=True)`` block up to ``timeout`` seconds for its first datagram.
+    def read_batch(self, max_reads: int = MAX_READS) -> list[Packet]:
+        """Every packet waiting now, without blocking: reads until EAGAIN or ``max_reads``.
 
-        For a reader thread of its own: the kernel wakes it straight out of
-        ``recv``, where an event loop would return from ``epoll_wait`` first
-        and read once more to find the queue empty: two syscalls per wake-up
-        saved, on a path that wakes once per SYN.
-        """
-        sec = int(timeout)
-        self._sock.setblocking(True)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                              struct.pack("@ll", sec, int((timeout - sec) * 1e6)))
-
-    def read_batch(self, max_reads: int = MAX_READS, *, wait: bool = False) -> list[Packet]:
-        """Every packet waiting now: reads until EAGAIN or ``max_reads``.
-
-        ``wait``: on a socket made ``blocking``, the first read waits (up to
-        its timeout) and the rest never do. A message that cannot be parsed
-        is logged and skipped (its packet, if any, waits in the kernel until
-        the socket closes). Error acks are refused verdicts: counted and logged.
+        A message that cannot be parsed is logged and skipped (its packet, if
+        any, waits in the kernel until the socket closes). Error acks are
+        refused verdicts: counted and logged.
         """
         out, self._pending = self._pending, []
-        flags = 0 if wait and not out else socket.MSG_DONTWAIT
         for _ in range(max_reads):
-            n = self._recv(flags)
-            flags = socket.MSG_DONTWAIT
+            n = self._recv()
             if n is None:
                 break
             if not n:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,20 +178,27 @@ def syn(dport: int, src: str = "192.0.2.7", dst: str = "10.77.0.11") -> bytes:
 
 
 class FakeQueue:
-    """What the reader uses of a ``QueueSocket``: batches in, verdicts out."""
+    """What the reader uses of a ``QueueSocket``: batches in (a pipe byte each), verdicts out."""
 
     def __init__(self, batches: list[list[Packet]]) -> None:
         self.batches = batches
         self.sent: list[Verdict] = []
+        self._r, self._w = os.pipe()
+        os.write(self._w, b"b" * len(batches))
 
-    def read_batch(self, max_reads: int = 64, *, wait: bool = False) -> list[Packet]:
-        if self.batches:
-            return self.batches.pop(0)
-        time.sleep(0.01)
-        return []
+    def fileno(self) -> int:
+        return self._r
+
+    def read_batch(self, max_reads: int = 64) -> list[Packet]:
+        os.read(self._r, 1)
+        return self.batches.pop(0)
 
     def send_verdicts(self, verdicts: list[Verdict]) -> None:
         self.sent.extend(verdicts)
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
 
 
 @pytest.fixture
@@ -235,13 +242,14 @@ def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch(
         answer(sock, packets, table)
 
     dp._answer = flaky  # type: ignore[method-assign]
-    reader = threading.Thread(target=dp._read, args=(q,))
-    reader.start()
+    dp._start_reader(q)  # type: ignore[arg-type]
+    reader = dp._reader
+    assert reader is not None
     deadline = time.monotonic() + 5
     while len(q.sent) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    dp._stop_reading = True
-    reader.join(5)
+    dp._stop_reader()  # woken through its pipe, not by a time-out
+    q.close()
     assert not reader.is_alive()
     assert q.sent == [Verdict(1, NF_DROP, None),
                       Verdict(2, NF_ACCEPT, dp.cfg.layout.forward(1))]
