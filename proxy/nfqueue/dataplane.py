@@ -450,10 +450,20 @@ class NfqueueDataplane:
     def _marks(self, plans: Mapping[PlanKey, PortPlan], udp_plans: Mapping[PlanKey, PortPlan]
                ) -> dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]]:
         lay = self.cfg.layout
+        # Slots are small numbers that every frontend reuses: each one's pair of
+        # marks is worked out once, not twice per endpoint of every plan.
+        by_slot: dict[int, tuple[int, int]] = {}
+
+        def both(i: int) -> tuple[int, int]:
+            pair = by_slot.get(i)
+            if pair is None:
+                pair = by_slot[i] = (lay.forward(i), lay.forward(i, True))
+            return pair
+
         out: dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]] = {}
         for num, name, table in ((TCP, "tcp", plans), (UDP, "udp", udp_plans)):
             for key, plan in table.items():
-                out[(num, key)] = {ep: (lay.forward(i), lay.forward(i, True))
+                out[(num, key)] = {ep: both(i)
                                    for ep, i in self._slots.index(frontend(plan, name)).items()}
         return out
 
