@@ -14,9 +14,7 @@ import asyncio
 import base64
 import itertools
 import json
-import shutil
 import ssl
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +29,7 @@ from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from tests.support.apiserver import FakeAPIServer
 from tests.support.objects import endpoint_slice, node, service
+from tests.support.pki import make_pki
 
 NODE = "node-a"
 FAST: dict[str, Any] = {"min_sync_period": 0.005, "backoff_initial": 0.005, "backoff_max": 0.02}
@@ -223,29 +222,9 @@ async def test_failing_exec_plugin_is_logged_and_retried(
 # -- TLS -----------------------------------------------------------------------------------
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A throwaway CA; a server cert for 127.0.0.1, one for a DNS name only; a client cert."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    d = tmp_path_factory.mktemp("pki")
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1")
-    _openssl("req", "-x509", *ec, "-subj", "/CN=kpx-test-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"))  # fmt: skip
-    for name, ext in (
-        ("server", "subjectAltName=IP:127.0.0.1"),
-        ("named", "subjectAltName=DNS:apiserver.kpx.test"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ):
-        _openssl("req", "-x509", *ec, "-subj", f"/CN=kpx-{name}",
-                 "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
-                 "-addext", "basicConstraints=critical,CA:FALSE", "-addext", ext,
-                 "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.crt"))  # fmt: skip
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def tls_api(pki: Path, cert: str = "server", client_auth: bool = True) -> FakeAPIServer:

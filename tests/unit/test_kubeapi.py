@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import shutil
 import socket
 import ssl
-import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,6 +40,7 @@ from proxy.sources.kubeapi import (
 )
 from tests.support.apiserver import FakeAPIServer
 from tests.support.objects import endpoint_slice, node, service
+from tests.support.pki import make_pki
 
 NODE = "node-a"
 NODE_IP = "192.168.0.2"
@@ -638,27 +637,9 @@ def test_api_error_expiry() -> None:
 # -- TLS, end to end ---------------------------------------------------------------------
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    d = tmp_path_factory.mktemp("pki")
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1")
-    _openssl("req", "-x509", *ec, "-subj", "/CN=kpx-test-ca",
-             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"))  # fmt: skip
-    for name, ext in (
-        ("server", "subjectAltName=IP:127.0.0.1"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ):
-        _openssl("req", "-x509", *ec, "-subj", f"/CN=kpx-{name}",
-                 "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
-                 "-addext", "basicConstraints=critical,CA:FALSE", "-addext", ext,
-                 "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.crt"))  # fmt: skip
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def test_tls_with_client_certificate_data(
