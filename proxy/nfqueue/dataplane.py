@@ -55,8 +55,9 @@ import os
 import select
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
 
 from healthz.proxy_health import ProxyHealth
 from proxy import metrics
@@ -66,9 +67,11 @@ from proxy.core.sync import SyncResult
 from proxy.lifecycle.ownership import live_pids
 from proxy.nfqueue import conntrack, netlink, rules
 from proxy.util import spawn
+from proxy.util.background import background_executor, loop_first
 from proxy.util.lograte import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 TCP = 6
 UDP = 17
@@ -327,6 +330,8 @@ class NfqueueDataplane:
         self._counts: dict[tuple[str, str], int] = {}
         """(service port, verdict) -> packets since the last ``flush_metrics``."""
         self._reader: threading.Thread | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        """The syncs' worker thread (``_off_loop``), started at the first sync."""
         self._stop_reading = False
         self._wake_r = self._wake_w = -1
         """The pipe that wakes the reader to stop."""
@@ -375,13 +380,13 @@ class NfqueueDataplane:
                 if self._sock is None:
                     await self._bind()
                 # Off the loop, as the rendering below is: at tens of thousands of
-                # services this walk takes most of a second, which /healthz and the
-                # other syncs must not wait out (the plans are immutable; only this
-                # task touches the slots).
-                pending = await asyncio.to_thread(self._tabulate, plans, hosts, udp_plans)
+                # services this walk takes a good part of a second, which /healthz
+                # must not wait out (the plans are immutable; only this task
+                # touches the slots).
+                pending = await self._off_loop(self._tabulate, plans, hosts, udp_plans)
                 self._pending = pending
                 if self._mechanism is None:
-                    self._mechanism = await asyncio.to_thread(rules.install, self.cfg,
+                    self._mechanism = await self._off_loop(rules.install, self.cfg,
                                                               pending.served)
                 else:
                     await self._write(pending.served, self._mechanism)
@@ -422,7 +427,7 @@ class NfqueueDataplane:
         if time.monotonic() - self._whole_at >= FULL_SYNC_PERIOD:
             self._written = None  # re-check: whatever was changed by hand goes
         if self._written is not None:
-            delta = await asyncio.to_thread(rules.update_script, table, self._written, served,
+            delta = await self._off_loop(rules.update_script, table, self._written, served,
                                             self.cfg.layout)
             if not delta:
                 return
@@ -431,11 +436,18 @@ class NfqueueDataplane:
                 return
             log.warning("nfqueue: table %s is not as kpx left it (%s); writing it whole",
                         table, res.stderr.strip() or res.returncode)
-        script = await asyncio.to_thread(rules.nft_script, self.cfg, served, mechanism)
+        script = await self._off_loop(rules.nft_script, self.cfg, served, mechanism)
         res = await spawn.run(["nft", "-f", "-"], script)
         if res.returncode != 0:
             raise RuntimeError(f"nft -f: {res.stderr.strip() or res.returncode}")
         self._whole_at = time.monotonic()
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)`` in the sync's worker thread, the loop first for the GIL meanwhile."""
+        if self._worker is None:
+            self._worker = background_executor("nfqueue-sync")
+        with loop_first():
+            return await self.loop.run_in_executor(self._worker, fn, *args)
 
     def _tabulate(self, plans: Mapping[PlanKey, PortPlan], hosts: tuple[str, ...],
                   udp_plans: Mapping[PlanKey, PortPlan]) -> Table:
@@ -478,7 +490,7 @@ class NfqueueDataplane:
             return
         local = self.local_addresses
         try:
-            n = await asyncio.to_thread(conntrack.clean_stale_udp, wanted, local)
+            n = await self._off_loop(conntrack.clean_stale_udp, wanted, local)
         except OSError as exc:
             log.error("nfqueue: stale UDP conntrack entries not deleted: %s", exc)
             return
@@ -672,6 +684,8 @@ class NfqueueDataplane:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)
         self._stop_reader()
         if live_pids() - {os.getpid()}:
             log.info("nfqueue: another kpx is present; its rules stay")

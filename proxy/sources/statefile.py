@@ -59,10 +59,9 @@ import logging
 import os
 import stat
 import struct
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +70,7 @@ from proxy import metrics
 from proxy.core.model import Snapshot
 from proxy.k8s import StateError, StateParser, decode_state
 from proxy.sources.hub import StateHub
+from proxy.util.background import background_executor, loop_first
 from proxy.util.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
@@ -112,26 +112,10 @@ DEFAULT_MAX_BYTES = 128 << 20
 bench renders them (kubectl-style multi-document YAML) and 52 MB as a
 ``kind: List`` with uids and resourceVersions; 128 MiB leaves room above both."""
 
-LOOP_SWITCH_INTERVAL = 0.0002
-"""``sys.setswitchinterval`` while a load runs in a worker thread (default 5 ms).
-
-The relay calls socket methods that drop the GIL around every syscall; with
-a parser thread holding it, each takes it back only after the switch
-interval, and a new connection makes a dozen such calls, so at the default
-it waits a dozen intervals (and more on a busy machine: docs/PERFORMANCE.md,
-"State file"). 0.2 ms bounds each wait; the parser pays a little only
-while the loop actually wants the GIL."""
-
-WORKER_NICE = 10
-"""The loader thread's nice value (Linux sets it per thread): when the loop and
-the parser want the same core, the loop gets it."""
-
 FREEZE_AFTER_DOCUMENTS = 5000
 """Freshly decoded documents above which a new state is moved to the GC's permanent
 generation (``gc.freeze``) as soon as it is built; see ``_keep_out_of_gc``."""
 
-_switch_users = 0
-_switch_saved = 0.0
 
 _FILE_KINDS: tuple[tuple[Callable[[int], bool], str], ...] = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -231,28 +215,6 @@ class _Outcome:
     problems: tuple[str, ...] = ()
     snapshot: Snapshot | None = None
     seconds: float = 0.0
-
-
-def _lower_priority() -> None:
-    """Executor initializer: nice this thread only (``setpriority`` on its tid)."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
-
-
-@contextlib.contextmanager
-def loop_first() -> Iterator[None]:
-    """Hold the GIL switch interval at ``LOOP_SWITCH_INTERVAL`` (nests; loop thread only)."""
-    global _switch_users, _switch_saved
-    if _switch_users == 0:
-        _switch_saved = sys.getswitchinterval()
-        sys.setswitchinterval(min(_switch_saved, LOOP_SWITCH_INTERVAL))
-    _switch_users += 1
-    try:
-        yield
-    finally:
-        _switch_users -= 1
-        if _switch_users == 0:
-            sys.setswitchinterval(_switch_saved)
 
 
 class _DirectoryWatch:
@@ -360,9 +322,7 @@ class StateFileSource:
             return self.load(force)
         loop = asyncio.get_running_loop()
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="state-file", initializer=_lower_priority
-            )
+            self._executor = background_executor("state-file")
         with loop_first():
             outcome = await loop.run_in_executor(self._executor, self._read_and_parse, force)
         return self._finish(outcome)
