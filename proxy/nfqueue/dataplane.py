@@ -27,11 +27,12 @@ left, so SYNs decided just before still find it. A SYN the table in force
 has no plan for was queued by the table being written (its transaction has
 committed, or nothing would queue that SYN), and that table decides it.
 
-Threads: the queue is read by a thread of its own, blocked in ``recv``; the
+Threads: the queue is read by a thread of its own, asleep in ``poll``; the
 event loop keeps the syncs, whose walk over every plan runs in a worker
-thread. So SYNs do not wait for a sync (at tens of thousands of services,
-every SYN queued while the loop walked the plans waited the walk out), nor
-/healthz for either. They share only immutable tables, swapped by reference.
+thread (``proxy.util.background``). So SYNs do not wait for a sync (at tens
+of thousands of services, every SYN queued while the loop walked the plans
+waited the walk out), nor /healthz for either. They share only immutable
+tables, swapped by reference.
 
 Never: relay a byte, retry a failed connect (the endpoint's RST reaches the
 client, as with iptables mode), or touch a rule that is not kpx's. The
@@ -662,10 +663,10 @@ class NfqueueDataplane:
         waiting, and a reused fd number could be read by it.
         """
         self._stop_reading = True
-        if self._reader is not None:
+        reader, self._reader = self._reader, None  # one caller joins and closes
+        if reader is not None:
             os.write(self._wake_w, b"\0")
-            self._reader.join()
-            self._reader = None
+            reader.join()
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
         else:
