@@ -337,6 +337,7 @@ async def serve(args: argparse.Namespace) -> int:
         inherited=claim.take_listeners() if claim is not None else None,
         local_vips=local_vips,
         vip_port=getattr(args, "vip_port", 0),
+        health=hub.health,
     )
     sidecar = None
     if not args.no_healthz and worker_index == 0:

@@ -53,6 +53,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import NamedTuple
 
+from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.core.addresses import LOCALHOST, Network
 from proxy.core.balancer import Balancer
@@ -164,8 +165,13 @@ class Dataplane:
 
     Construct it on the event loop's thread. With ``transparent=True`` the
     return-path routing is installed here, in the current network namespace,
-    and removed by ``close()``.
+    and removed by ``close()``. Given ``health`` and ``local_vips``, /healthz
+    answers 503 until the first sync's VIPs are in force (``VIP_FAULT``), as
+    nfqueue mode's does until its rules are: whoever waits for a healthy node
+    (a lab, a readiness probe) may then use its ClusterIPs at once.
     """
+
+    VIP_FAULT = "service-vips"
 
     def __init__(
         self,
@@ -189,9 +195,13 @@ class Dataplane:
         udp_timeout: float = UDP_TIMEOUT,
         udp_timeout_stream: float = UDP_TIMEOUT_STREAM,
         udp_flow_limit: int = UDP_FLOW_LIMIT,
+        health: ProxyHealth | None = None,
     ) -> None:
         self.loop = loop
         self.local_vips = local_vips
+        self._health = health if local_vips is not None else None
+        if self._health is not None:
+            self._health.set_fault(self.VIP_FAULT, "service VIPs not in force yet")
         """Makes each sync's VIPs local and steers their ports here (None: VIPs not served)."""
         self.vip_port = vip_port
         """The VIP listener's port on ``LISTEN_ADDRESS`` (0: the kernel picks; ``--workers``
@@ -489,6 +499,8 @@ class Dataplane:
                 await asyncio.sleep(self.retry_interval)
                 continue
             self._vips_applied = target
+            if self._health is not None:
+                self._health.clear_fault(self.VIP_FAULT)
             metrics.SERVICE_VIPS.set(len(target.vips))
             metrics.SERVICE_VIP_PORTS.set(len(rules.served) + len(rules.udp_served))
             vl = self._vip_listener

@@ -18,6 +18,7 @@ import subprocess
 
 import pytest
 
+from healthz.proxy_health import ProxyHealth
 from proxy.core.model import ServicePort
 from proxy.core.sync import SyncConfig
 from proxy.proxier import Proxier
@@ -90,11 +91,16 @@ async def scenario() -> None:
         writer.close()
 
     squatters = [await asyncio.start_server(squat, "0.0.0.0", p) for p in (80, 81)]
-    dp = Dataplane(loop=asyncio.get_running_loop(), local_vips=LocalVIPs(base=f"@{prefix()}vip"))
+    health = ProxyHealth()
+    dp = Dataplane(loop=asyncio.get_running_loop(), local_vips=LocalVIPs(base=f"@{prefix()}vip"),
+                   health=health)
     px = Proxier(SyncConfig(NODE, vips=True), dataplane=dp)
+    # /healthz is bad until the first VIPs are in force: a probe that trusts it may dial them.
+    assert Dataplane.VIP_FAULT in health.faults
     try:
         px.sync(state())
         await dp.vips_synced()
+        assert health.faults == {}
         assert len(kpx_routes()) == 1 and VIP in kpx_routes()[0]
         assert f"{VIP} . 80" in served_pairs()
         vip_listener = [(a, p) for a, p, st in dp.listeners() if st == "serving"]
