@@ -102,7 +102,7 @@ import copy
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -418,10 +418,25 @@ def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
         if not isinstance(ip, str) or _ipv4(ip) is None:
             problems.append(f"{where}: {ip!r} is not an IPv4 address")
         elif node not in nodes:
-            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+            problems.append(_unknown_node(where, node, nodes))
         else:
             routes[str(_ipv4(ip))] = node
     return cidr, routes
+
+
+def _unknown_node(where: str, node: object, nodes: list[str]) -> str:
+    return f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})"
+
+
+def _per_node(raw: Mapping[Any, Any], nodes: list[str], section: str, problems: list[str]
+              ) -> Iterator[tuple[str, Any, str]]:
+    """``(node, value, where)`` of each per-node entry; an unknown node is a problem."""
+    for node, value in raw.items():
+        where = f"{section}.{node}"
+        if node in nodes:
+            yield node, value, where
+        else:
+            problems.append(_unknown_node(where, node, nodes))
 
 
 def _parse_addresses(raw: Any, nodes: list[str], cidr: ipaddress.IPv4Network | None,
@@ -453,7 +468,7 @@ def _parse_addresses(raw: Any, nodes: list[str], cidr: ipaddress.IPv4Network | N
         where = f"cluster.nodeIPs.{node}"
         addr = _ipv4(ip) if isinstance(ip, str) else None
         if node not in nodes:
-            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
+            problems.append(_unknown_node(where, node, nodes))
         elif addr is None:
             problems.append(f"{where}: {ip!r} is not an IPv4 address")
         elif clash := _reserved(addr, reserved):
@@ -470,11 +485,7 @@ def _parse_addresses(raw: Any, nodes: list[str], cidr: ipaddress.IPv4Network | N
         problems.append("cluster.podCIDRs: must be a mapping of node name to a list of networks")
         raw_cidrs = None
     taken: list[tuple[ipaddress.IPv4Network, str]] = []
-    for node, nets in (raw_cidrs or {}).items():
-        where = f"cluster.podCIDRs.{node}"
-        if node not in nodes:
-            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
-            continue
+    for node, nets, where in _per_node(raw_cidrs or {}, nodes, "cluster.podCIDRs", problems):
         if not isinstance(nets, list):
             problems.append(f"{where}: must be a list of IPv4 networks")
             continue
@@ -511,11 +522,7 @@ def _parse_node_fields(raw: Any, nodes: list[str], problems: list[str]
         problems.append("cluster.nodeFields: must be a mapping of node name to fields")
         return {}
     out: dict[str, dict[str, Any]] = {}
-    for node, fields in raw.items():
-        where = f"cluster.nodeFields.{node}"
-        if node not in nodes:
-            problems.append(f"{where}: unknown node {node!r} (nodes: {', '.join(nodes)})")
-            continue
+    for node, fields, where in _per_node(raw, nodes, "cluster.nodeFields", problems):
         if not isinstance(fields, Mapping):
             problems.append(f"{where}: must be a mapping ({', '.join(NODE_FIELDS)})")
             continue
@@ -628,7 +635,7 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
             problems.append(f"{where}.name: duplicate pod name {name!r}")
         node = p.get("node")
         if node not in nodes:
-            problems.append(f"{where}.node: unknown node {node!r} (nodes: {', '.join(nodes)})")
+            problems.append(_unknown_node(f"{where}.node", node, nodes))
         else:
             per_node[node] = per_node.get(node, 0) + 1
             if per_node[node] > MAX_PODS_PER_NODE:
