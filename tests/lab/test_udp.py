@@ -183,7 +183,14 @@ def test_an_idle_flow_expires_and_the_next_datagram_repicks(lab_factory: LabFact
 
 def test_replacing_the_only_endpoint_loses_only_what_was_in_flight(
         lab_factory: LabFactory) -> None:
-    """Test 6: a request every 50 ms while the only pod moves to another node."""
+    """Test 6: a request every 50 ms while the only pod moves to another node.
+
+    What may be lost is what the move itself takes away: requests sent while
+    no pod serves (the lab kills the old one, then starts the new one, in a
+    time set by process start-up on a busy machine, not by kpx), plus one in
+    flight as it began. Nothing sent before that, and nothing sent once the
+    new pod is up and kpx has had a moment to re-pick the flow.
+    """
     lab = lab_factory(spec({"web-1": "node1"}, dns("Cluster")))
     np = lab.node_port(KEY, "dns")
     to = (lab.node_ip("node3"), np)
@@ -200,9 +207,11 @@ def test_replacing_the_only_endpoint_loses_only_what_was_in_flight(
         for _ in range(10):
             one()
         done = threading.Event()
+        started: list[float] = []
         moved: list[float] = []
 
         def move() -> None:
+            started.append(time.monotonic())
             lab.move_pod("web-1", "node2")
             moved.append(time.monotonic())
             done.set()
@@ -218,10 +227,13 @@ def test_replacing_the_only_endpoint_loses_only_what_was_in_flight(
             one()
     after = [node for sent, node in results if sent > ready_at + 0.2]
     lost = [sent for sent, node in results if node is None]
-    print(f"UDP endpoint replacement: {len(results)} requests, {len(lost)} lost")
+    print(f"UDP endpoint replacement: {len(results)} requests, {len(lost)} lost, the move"
+          f" took {ready_at - started[0]:.2f}s")
     assert after and all(node == "node2" for node in after), after
     assert results[0][1] == "node1"
-    assert len(lost) <= 5, f"{len(lost)} of {len(results)} requests lost"
+    outside = [sent for sent in lost if not started[0] - 0.05 <= sent <= ready_at + 0.2]
+    assert not outside, (f"{len(outside)} of {len(lost)} lost requests were sent outside the"
+                         f" move ({started[0]:.2f}-{ready_at:.2f}): {outside}")
 
 
 def test_ten_thousand_datagrams_pass_intact_and_in_order(lab_factory: LabFactory) -> None:
