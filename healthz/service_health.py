@@ -66,7 +66,7 @@ HEALTHCHECK_LISTENERS = Gauge(
 
 ALL_ADDRESSES = "0.0.0.0"
 ALL_ADDRESSES6 = "::"
-"""Every local IPv6 address: a host `sync_services` may be given beside `0.0.0.0`."""
+"""Every local IPv6 address: a host ``sync_services`` may be given beside ``0.0.0.0``."""
 
 _GO_ESCAPES = {
     "\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n",
