@@ -21,7 +21,14 @@ from healthz.proxy_health import NodeHealthServer, ProxyHealth, family_name, rfc
 from healthz.service_health import ALL_ADDRESSES, ALL_ADDRESSES6, ServiceHealthServer
 from healthz.sidecar import Sidecar
 from tests.healthz.test_healthz_service import expected
-from tests.support.health import FakeClock, eventually, get, http_raw, split_response
+from tests.support.health import (
+    FakeClock,
+    eventually,
+    get,
+    http_raw,
+    refuses,
+    split_response,
+)
 from tests.support.netns import in_fresh_netns
 
 T0 = 1_800_000_000.25  # 2027-01-15T08:00:00.25Z
@@ -43,18 +50,6 @@ def free_port_both() -> int:
                     continue
                 return port
     raise RuntimeError("no port free on both loopback addresses")
-
-
-def refuses(port: int, host: str = "127.0.0.1") -> bool:
-    """True iff a connect to ``host`` (either family) gets RST right now."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.settimeout(2.0)
-        try:
-            s.connect((host, port))
-        except ConnectionRefusedError:
-            return True
-    return False
 
 
 async def fetch(port: int, host: str, path: str = "/healthz") -> bytes:
