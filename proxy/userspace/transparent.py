@@ -432,6 +432,9 @@ class ReturnPathGuard:
         self.routing = routing
         self.health = health
         self.period = period
+        self.family: str | None = "IPv6" if routing.cfg.family == 6 else None
+        """The IPv6 return path's fault is IPv6's only (``ProxyHealth`` family faults):
+        its IPv4 traffic still flows; the IPv4 one stays unscoped, as before dual-stack."""
 
     async def check(self) -> list[str]:
         """One round: returns the parts that were missing and are now back."""
@@ -440,19 +443,20 @@ class ReturnPathGuard:
         except Exception as exc:  # any failure means: cannot vouch for the return path
             metrics.RETURN_PATH_REPAIR_FAILURES.inc()
             why = str(exc) or type(exc).__name__
-            if self.health.faults.get(self.FAULT) != why:
-                log.error("transparent return path broken and not restorable: %s; client-IP"
-                          " preserving connections fail, so health fails until it is back", why)
-            self.health.set_fault(self.FAULT, why)
+            if self.health.fault(self.FAULT, self.family) != why:
+                log.error("IPv%d transparent return path broken and not restorable: %s;"
+                          " client-IP preserving connections fail, so health fails until it"
+                          " is back", self.routing.cfg.family, why)
+            self.health.set_fault(self.FAULT, why, self.family)
             return []
         for part in restored:
             metrics.RETURN_PATH_REPAIRS.labels(part=part).inc()
         if restored:
             log.warning("transparent return path: %s was missing (removed outside kpx);"
                         " restored", ", ".join(restored))
-        if self.FAULT in self.health.faults:
+        if self.health.fault(self.FAULT, self.family) is not None:
             log.info("transparent return path restored; healthy again")
-            self.health.clear_fault(self.FAULT)
+            self.health.clear_fault(self.FAULT, self.family)
         return restored
 
     async def run(self) -> None:

@@ -251,3 +251,60 @@ def test_dual_stack_service_answers_each_family_with_its_own_endpoints(
     with connect_in(topo.client, (T.NODE_IP, np_), 3) as s:
         s.sendall(b"PEER\n")
         assert s.recv(200).decode().split()[0] == "pod2"  # IPv4 reached its own endpoint
+
+
+def _handover_in_netns() -> None:
+    """In a fresh namespace: an IPv6 dataplane adopts a predecessor's ``::`` listener."""
+    import asyncio
+
+    from proxy.k8s import parse_state
+    from proxy.proxier import Proxier
+    from proxy.userspace import synfilter
+    from proxy.userspace.dataplane import Dataplane
+    from tests.support.backends import start
+    from tests.support.objects import state_yaml
+    from tests.support.wiring import sync_config
+
+    addr = "fd77:9::1"
+    sh("ip", "-6", "addr", "add", f"{addr}/128", "dev", "lo", "nodad")  # this thread's netns
+    be = start(addr, 0, "b")
+    np_ = 30197
+    old = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    old.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    old.bind(("::", np_))
+    synfilter.attach(old, synfilter.syn_drop_program((addr,), family=6))
+    old.listen(16)
+    early = socket.create_connection((addr, np_), timeout=3)  # queued before adoption
+    state = state_yaml(node(NODE, "10.9.9.9", addr),
+                       *svc6("web", np_, (addr, NODE)))
+    state = state.replace(f"port: {BACKEND_PORT}", f"port: {be.port}")
+
+    async def scenario() -> None:
+        dp6 = Dataplane(loop=asyncio.get_running_loop(), family=6,
+                        inherited={("::", np_): old})
+        px = Proxier(sync_config(NODE), dataplane6=dp6)
+        try:
+            px.sync(parse_state(state, 1))
+            await asyncio.wait_for(dp6.synced.wait(), 5)
+            assert dp6.listeners() == [("::", np_, "serving")]
+            [(key, sock)] = dp6.listening_sockets()
+            assert key == ("::", np_) and sock is old  # adopted, not bound anew
+            assert len(sock.getsockopt(socket.SOL_SOCKET, 26, 1024)) == 0  # filter off
+
+            def queued_peer() -> str:
+                early.sendall(b"PEER\n")
+                return early.recv(100).decode().split()[0]
+
+            assert await asyncio.to_thread(queued_peer) == "b"
+        finally:
+            dp6.close()
+            early.close()
+            be.stop()
+
+    asyncio.run(scenario())
+
+
+def test_ipv6_listeners_are_handed_over() -> None:
+    from tests.support.netns import in_fresh_netns
+
+    in_fresh_netns("h6", _handover_in_netns)
