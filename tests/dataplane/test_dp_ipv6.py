@@ -308,3 +308,43 @@ def test_ipv6_listeners_are_handed_over() -> None:
     from tests.support.netns import in_fresh_netns
 
     in_fresh_netns("h6", _handover_in_netns)
+
+
+UDP_ECHO = """
+import socket, sys
+s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+s.bind(("::", int(sys.argv[1])))
+print("READY", flush=True)
+while True:
+    data, peer = s.recvfrom(2048)
+    s.sendto(sys.argv[2].encode() + b" " + peer[0].encode(), peer)
+"""
+
+
+def udp6(ns: str, addr: tuple[str, int], timeout: float = 1.5) -> str | None:
+    """One datagram to ``addr`` from ``ns``: the reply's text, or None (silence)."""
+    def ask() -> str | None:
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+            s.settimeout(timeout)
+            s.sendto(b"WHO", addr)
+            try:
+                return s.recv(2048).decode()
+            except TimeoutError:
+                return None
+    return in_netns(ns, ask)
+
+
+def test_udp_nodeport_over_ipv6(topo: Topology, driver: Driver) -> None:
+    port = 8081
+    p = topo.popen(topo.pod1, PY, "-c", UDP_ECHO, str(port), "pod1", stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+    np_ = 30198
+    udp = [service("dns6", np_, port, protocol="UDP", cluster_ip="fd00:96::53",
+                   clusterIPs=["fd00:96::53"], ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack"),
+           endpoint_slice("dns6", LOCAL, port=port, protocol="UDP", address_type="IPv6")]
+    driver.start(n1(), *udp)
+    assert udp6(topo.client, (NODE6, np_)) == f"pod1 {CLIENT6}"  # the client's IP kept
+    assert udp6(topo.node, (NODE6, np_)) == f"pod1 {NODE_POD1_6}"  # the node's: SNAT
+    assert udp6(topo.node, ("::1", np_)) is None  # ::1 is never served
+    driver.update(n1(), udp[0])  # no endpoint left: the socket goes, the port is closed
+    assert udp6(topo.client, (NODE6, np_)) is None
