@@ -300,9 +300,11 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
                     where = cidr if fam == "IPv4" else cidr6
                     ip = _allocate_ip(key if fam == "IPv4" else f"{key}/IPv6", used_ips, where)
                     if ip is None:
-                        name = "cluster.serviceCIDR" if fam == "IPv4" else "the IPv6 range"
-                        problems.append(f"Service {key}: spec.clusterIPs: no free {fam} address"
-                                        f" left in the service CIDR {where} ({name})")
+                        problems.append(
+                            f"Service {key}: spec.clusterIP: no free address left in the"
+                            f" service CIDR {where} (cluster.serviceCIDR)" if fam == "IPv4" else
+                            f"Service {key}: spec.clusterIPs[{len(ips)}]: no free address left"
+                            f" in the lab's IPv6 service CIDR {where}")
                         break
                 ips.append(ip)
             else:

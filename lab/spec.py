@@ -937,6 +937,10 @@ def _validate_cluster_ip(spec: Mapping[str, Any], stype: Any, where: str,
         if not isinstance(ips, list) or not all(isinstance(x, str) for x in ips):
             problems.append(f"{where}: spec.clusterIPs: must be a list of strings")
             return
+        if len(ips) > 1 and not dual_stack:
+            problems.append(f"{where}: spec.clusterIPs: the lab is single-stack IPv4: at most"
+                            " one address")
+            return
         if len(ips) > 2:
             problems.append(f"{where}: spec.clusterIPs: at most two addresses (one per family)")
             return
@@ -963,7 +967,7 @@ def _validate_cluster_ip(spec: Mapping[str, Any], stype: Any, where: str,
         fw = f"{where}: spec.{field_name}"
         addr = _ip(text)
         if addr is None:
-            problems.append(f"{fw}: {text!r} is not an IP address")
+            problems.append(f"{fw}: {text!r} is not an {'IP' if dual_stack else 'IPv4'} address")
             continue
         versions.append(addr.version)
         if addr.version == 6:
