@@ -601,7 +601,8 @@ class Lab(Traffic, Pods):
         return {"name": self.prefix, "run_dir": str(self.run_dir), "dualStack": self.dual_stack,
                 "state": str(self.state_path), "client_ip": str(self.client_ip),
                 "client_ip6": topology.CLIENT_IP6 if self.dual_stack else None, "nodes": nodes,
-                "pods": pods, "services": services, "loadBalancer": self._lb_status()}
+                "pods": pods, "services": services, "loadBalancer": self._lb_status(),
+                "loadBalancer6": self._lb_status(6) if self.dual_stack else None}
 
     # ------------------------------------------------------------------ internals
 
@@ -793,12 +794,12 @@ class Lab(Traffic, Pods):
             except Exception:
                 log.exception("lab %s: load balancer hook on_apply failed", self.prefix)
 
-    def _lb_status(self) -> Any:
+    def _lb_status(self, family: int = 4) -> Any:
         """Per-node probe results for ``kpx lab status``; None when the lab has no LB."""
         if self.spec.load_balancer is None:
             return None
         try:
-            return lb_control.status(self.run_dir)
+            return lb_control.status(self.run_dir, family)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
