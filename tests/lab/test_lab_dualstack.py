@@ -182,6 +182,20 @@ def test_default_lab_stays_ipv4_only(lab_factory: Callable[..., Lab]) -> None:
     assert spec["ipFamilies"] == ["IPv4"] and spec["ipFamilyPolicy"] == "SingleStack"
 
 
+def test_no_address_is_tentative_once_up(lab_factory: Callable[..., Lab]) -> None:
+    """nodad and accept_dad=0: an IPv6 address is usable the moment ``up`` returns.
+
+    With duplicate address detection the kernel keeps a new address
+    "tentative" for about a second (unusable as a source), which a lab that
+    starts in a fraction of that would race.
+    """
+    lab = lab_factory(two_pod_spec(), dual_stack=True, **NO_KPX)
+    for name in ["client", "lb", *lab.nodes, *lab.pods]:
+        out = lab.run(name, ["ip", "-6", "-o", "addr", "show", "tentative"]).stdout
+        assert out.strip() == "", (name, out)
+        assert lab.run(name, ["ip", "-6", "-o", "addr", "show", "scope", "global"]).stdout
+
+
 def test_teardown_leaves_no_namespace(lab_factory: Callable[..., Lab]) -> None:
     from lab import netns
 
