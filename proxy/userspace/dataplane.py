@@ -258,8 +258,10 @@ class Dataplane:
         self.forwarder.cluster_cidrs = tuple(
             ipaddress.ip_network(c, strict=False) for c in cluster_cidrs or ()
         )
-        self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs)
-        """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``)."""
+        self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs
+                             if c.version == family)
+        """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``), of
+        this family only, as its nft sets are (a dual-stack cluster gives both)."""
         self.udp = UdpForwarder(loop, self.forwarder,
                                 FlowTable(udp_flow_limit, udp_timeout, udp_timeout_stream))
         """UDP service ports: flows, their sockets, replies (``proxy.userspace.udp``)."""
