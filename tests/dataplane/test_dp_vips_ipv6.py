@@ -14,6 +14,7 @@ teardown.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import time
@@ -23,6 +24,9 @@ from typing import Any
 
 import pytest
 
+from healthz.proxy_health import ProxyHealth
+from proxy.core.sync import empty_result
+from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.sklookup import SkLookup
 from proxy.userspace.vips import (
     NFT_TABLE,
@@ -48,6 +52,7 @@ from tests.dataplane.test_dp_ipv6 import (
     udp6,
 )
 from tests.support.driver import Driver
+from tests.support.loops import run_on
 from tests.support.netns import PY, Topology, in_fresh_netns, prefix, sh
 from tests.support.objects import endpoint_slice, service
 
@@ -283,3 +288,45 @@ def _owned_rechecked_removed() -> None:
 def test_ipv6_vips_are_owned_rechecked_and_removed() -> None:
     """``LocalVIPs(family=6)``: its routes and ``ip6`` table only; put back; one copy; gone."""
     in_fresh_netns("v6own", _owned_rechecked_removed)
+
+
+def lb6(ip_mode: str) -> list[dict[str, Any]]:
+    """An IPv6 LoadBalancer service whose ingress IP ``LB6`` has ``ip_mode``."""
+    return [service("lb6", 30190, BACKEND_PORT, type="LoadBalancer", cluster_ip=VIP6,
+                    clusterIPs=[VIP6], ipFamilies=["IPv6"], ipFamilyPolicy="SingleStack",
+                    status={"loadBalancer": {"ingress": [{"ip": LB6, "ipMode": ip_mode}]}}),
+            endpoint_slice("lb6", LOCAL, port=BACKEND_PORT, address_type="IPv6")]
+
+
+LB6 = "fd00:79::10"
+
+
+def test_ipv6_lb_ingress_ip_served_in_vip_mode_only(topo: Topology, driver: Driver) -> None:
+    driver.start(n1(), *lb6("VIP"))
+    assert kpx_routes6(topo.node) == {VIP6, LB6}
+    assert peer(topo.client, (LB6, 80)) == ("pod1", CLIENT6)  # eTP=Cluster, a local hop
+    driver.update(n1(), *lb6("Proxy"))  # in-cluster traffic to it goes out to the real LB
+    assert kpx_routes6(topo.node) == {VIP6}
+    table = table6(topo.node)
+    assert table is not None and LB6 not in table
+
+
+async def _fault_is_ipv6s() -> None:
+    health = ProxyHealth()
+    dp = Dataplane(loop=asyncio.get_running_loop(), family=6, health=health,
+                   local_vips=LocalVIPs(base=f"@{prefix()}v6f", family=6))
+    try:
+        # Until its first VIPs are in force: IPv6's fault, not IPv4's nor everyone's.
+        assert health.fault(Dataplane.VIP_FAULT, "IPv6") is not None
+        assert health.fault(Dataplane.VIP_FAULT, "IPv4") is None
+        assert health.fault(Dataplane.VIP_FAULT) is None
+        dp.apply(empty_result(1, 6))
+        await dp.vips_synced()
+        assert health.fault(Dataplane.VIP_FAULT, "IPv6") is None
+        assert [(a, st) for a, _p, st in dp.listeners()] == [("::1", "serving")]
+    finally:
+        dp.close()
+
+
+def test_the_ipv6_vips_health_fault_is_ipv6s_only() -> None:
+    in_fresh_netns("v6f", run_on, "uvloop", _fault_is_ipv6s, 30.0)
