@@ -183,13 +183,12 @@ def vip(address: str, family: int = 4) -> str:
     is a tenth of ``ipaddress``'s cost: 50,000 VIPs are validated in a sync.
     """
     if family == 6:
-        return _vip6(address)
-    try:
-        packed = socket.inet_pton(socket.AF_INET, address.strip())
-    except OSError:
-        ipaddress.ip_address(address.strip())  # ValueError naming it, unless it is IPv6
-        raise ValueError(f"{address!r}: an IPv6 address where IPv4 VIPs are made local"
-                         ) from None
+        packed = _packed(address, socket.AF_INET6)
+        if (packed[0] == 0xFF or (packed[0] == 0xFE and packed[1] & 0xC0 == 0x80)
+                or packed[:15] == bytes(15) or packed[:12] == bytes(10) + b"\xff\xff"):
+            raise ValueError(f"{address!r}: not usable as a service VIP")
+        return socket.inet_ntop(socket.AF_INET6, packed)
+    packed = _packed(address, socket.AF_INET)
     first = packed[0]
     if (first == 127 or 224 <= first <= 239 or packed == b"\0\0\0\0"
             or packed == b"\xff\xff\xff\xff"):
@@ -197,17 +196,15 @@ def vip(address: str, family: int = 4) -> str:
     return socket.inet_ntop(socket.AF_INET, packed)
 
 
-def _vip6(address: str) -> str:
+def _packed(address: str, af: socket.AddressFamily) -> bytes:
+    """``address`` of family ``af``, packed; ValueError naming it (and the family it is)."""
     try:
-        packed = socket.inet_pton(socket.AF_INET6, address.strip())
+        return socket.inet_pton(af, address.strip())
     except OSError:
-        ipaddress.ip_address(address.strip())  # ValueError naming it, unless it is IPv4
-        raise ValueError(f"{address!r}: an IPv4 address where IPv6 VIPs are made local"
+        ipaddress.ip_address(address.strip())  # ValueError naming it, unless the other family
+        given, made = ("IPv4", "IPv6") if af == socket.AF_INET6 else ("IPv6", "IPv4")
+        raise ValueError(f"{address!r}: an {given} address where {made} VIPs are made local"
                          ) from None
-    if (packed[0] == 0xFF or packed[:2] in (b"\xfe\x80", b"\xfe\xc0")
-            or packed[:15] == bytes(15) or packed[:12] == bytes(10) + b"\xff\xff"):
-        raise ValueError(f"{address!r}: not usable as a service VIP")
-    return socket.inet_ntop(socket.AF_INET6, packed)
 
 
 NFT_TABLE = "kpx_vips"
