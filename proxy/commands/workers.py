@@ -11,7 +11,9 @@ namespace over once the workers' listeners are closed. The service VIPs'
 ARP settings are set here too (``LocalVIPs.install``), their originals held
 until every worker is gone, and the VIP listener's port reserved, so every
 worker binds the same one into its reuseport group and the nft table they
-each write steers to all of them. Unlike one process,
+each write steers to all of them; the IPv6 VIP listener's port on ``::1``
+likewise, and whatever IPv6 VIP routes and ``ip6`` table a killed worker
+left are removed here at the end. Unlike one process,
 N workers pass no listening sockets on (each worker's sockets belong to its
 reuseport group; a successor's would have to join it): a restart refuses
 connections from the workers' close until the new instance listens, and a
