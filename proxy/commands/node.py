@@ -32,7 +32,8 @@ until the last kpx of the namespace exits.
 
 IPv6: as kube-proxy's MetaProxier, a second dataplane serves the IPv6 family
 (``Dataplane(family=6)``), fed by the same sync (``Proxier(dataplane6=)``):
-it listens once the Node has an IPv6 address, and a handover passes its
+it listens once the Node has an IPv6 address, serves the IPv6 service VIPs
+(``LocalVIPs(family=6)``, its own VIP guard), and a handover passes its
 sockets on with the IPv4 ones. Not made on a kernel without IPv6.
 """
 
@@ -351,9 +352,13 @@ async def serve(args: argparse.Namespace) -> int:
     if getattr(args, "no_transparent6", False):
         # A --workers supervisor could not install the IPv6 return path: SNAT.
         common = {**common, "transparent": False}
+    # The IPv6 family's VIPs (IPv6 ClusterIPs, externalIPs, LB IPs): its own
+    # routes, ip6 table and sk_lookup program, steered to a listener on ::1.
+    local_vips6 = LocalVIPs(family=6) if ipv6_available() else None
     dataplane6 = Dataplane(
         **common, inherited={k: s for k, s in inherited.items() if ":" in k[0]}, family=6,
-    ) if ipv6_available() else None
+        local_vips=local_vips6, vip_port=getattr(args, "vip_port6", 0), health=hub.health,
+    ) if local_vips6 is not None else None
     planes = [dp for dp in (dataplane, dataplane6) if dp is not None]
     sidecar = None
     if not args.no_healthz and worker_index == 0:
@@ -373,11 +378,13 @@ async def serve(args: argparse.Namespace) -> int:
     # whole, as kube-proxy re-syncs its rules every sync period.
     if ownership is not None:
         ownership.attach(loop)  # a successor attaches once it owns the name
-    vip_guard: asyncio.Task[None] | None = None
+    vip_guards: list[asyncio.Task[None]] = []
     if worker_index == 0:
-        vip_guard = asyncio.create_task(
-            VIPGuard(local_vips, hub.health, args.sync_period).run(), name="vip-guard"
-        )
+        for lv in (local_vips, local_vips6):
+            if lv is not None:
+                vip_guards.append(asyncio.create_task(
+                    VIPGuard(lv, hub.health, args.sync_period).run(),
+                    name=f"vip-guard-ipv{lv.family}"))
     guards: list[asyncio.Task[None]] = []
     for dp in planes:
         if dp.transparent_active and worker_index == 0:
@@ -415,7 +422,7 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.gather(takeover, return_exceptions=True)
     for guard in guards:
         guard.cancel()  # only the owner repairs; a successor takes that over
-    if vip_guard is not None:
+    for vip_guard in vip_guards:
         vip_guard.cancel()
     source.stop()
 

@@ -11,7 +11,9 @@ namespace over once the workers' listeners are closed. The service VIPs'
 ARP settings are set here too (``LocalVIPs.install``), their originals held
 until every worker is gone, and the VIP listener's port reserved, so every
 worker binds the same one into its reuseport group and the nft table they
-each write steers to all of them. Unlike one process,
+each write steers to all of them; the IPv6 VIP listener's port on ``::1``
+likewise, and whatever IPv6 VIP routes and ``ip6`` table a killed worker
+left are removed here at the end. Unlike one process,
 N workers pass no listening sockets on (each worker's sockets belong to its
 reuseport group; a successor's would have to join it): a restart refuses
 connections from the workers' close until the new instance listens, and a
@@ -39,7 +41,7 @@ from collections.abc import Callable
 
 from proxy.lifecycle.ownership import Ownership
 from proxy.userspace.transparent import RoutingConfig, TransparentRouting
-from proxy.userspace.vips import LISTEN_ADDRESS, LocalVIPs
+from proxy.userspace.vips import LISTEN_ADDRESS, LISTEN_ADDRESS6, LocalVIPs
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,14 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
     reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     reserved.bind((LISTEN_ADDRESS, 0))
     args.vip_port = reserved.getsockname()[1]
+    # The same for the workers' IPv6 VIP listener, on ::1 (none without IPv6).
+    reserved6: socket.socket | None = None
+    with contextlib.suppress(OSError):
+        reserved6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        reserved6.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        reserved6.bind((LISTEN_ADDRESS6, 0))
+        args.vip_port6 = reserved6.getsockname()[1]
     children: dict[int, int] = {}
     stopping = False
 
@@ -135,10 +145,16 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         reserved.close()
+        if reserved6 is not None:
+            reserved6.close()
         try:
             local_vips.remove_all()
         except (OSError, RuntimeError) as exc:
             log.error("service VIPs: cannot remove them: %s", exc)
+        try:  # what a worker killed before its exit left of the IPv6 VIPs
+            LocalVIPs(family=6).remove_all()
+        except (OSError, RuntimeError) as exc:
+            log.error("IPv6 service VIPs: cannot remove them: %s", exc)
         if routing6 is not None:
             routing6.remove()
         if routing is not None:

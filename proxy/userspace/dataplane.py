@@ -83,11 +83,11 @@ from proxy.userspace.sklookup import SkLookup
 from proxy.userspace.transparent import RoutingConfig, TransparentRouting, transparent_capable
 from proxy.userspace.udp import UdpForwarder, UdpFront
 from proxy.userspace.vips import (
-    LISTEN_ADDRESS,
     Interception,
     LocalVIPs,
     VIPPort,
     VIPTarget,
+    listen_address,
 )
 from proxy.util.prepared import Prepared
 
@@ -106,6 +106,17 @@ probe of /healthz takes five loop iterations, each one slice late."""
 ListenerKey = tuple[str, int]
 Wanted = tuple[PlanKey, str]
 """A wanted listener's plan key and SYN filter: ``""`` or ``"external"``."""
+
+
+_VIP_COUNTS: dict[int, tuple[int, int]] = {}
+"""Per family, the VIPs and steered ports last put in force: the gauges are their sums
+(kube-proxy has no such metric, so no ``ip_family`` label to split it by)."""
+
+
+def _count_vips(family: int, vips: int, ports: int) -> None:
+    _VIP_COUNTS[family] = (vips, ports)
+    metrics.SERVICE_VIPS.set(sum(v for v, _ in _VIP_COUNTS.values()))
+    metrics.SERVICE_VIP_PORTS.set(sum(p for _, p in _VIP_COUNTS.values()))
 
 
 VIPWant = tuple[Interception, bool, VIPTarget]
@@ -213,13 +224,20 @@ class Dataplane:
         self.loop = loop
         self.family = family
         """The IP family this dataplane serves (a sync of another family is refused)."""
+        if local_vips is not None and local_vips.family != family:
+            raise ValueError(f"the IPv{family} dataplane was given IPv{local_vips.family} VIPs")
         self.local_vips = local_vips
-        self._health = health if local_vips is not None else None
-        if self._health is not None:
-            self._health.set_fault(self.VIP_FAULT, "service VIPs not in force yet")
         """Makes each sync's VIPs local and steers their ports here (None: VIPs not served)."""
+        self._health = health if local_vips is not None else None
+        self._fault_family: str | None = "IPv6" if family == 6 else None
+        """The IPv6 VIPs' fault is IPv6's only: IPv4 keeps answering healthy for its own."""
+        if self._health is not None:
+            self._health.set_fault(self.VIP_FAULT, "service VIPs not in force yet",
+                                   self._fault_family)
+        self.vip_address = listen_address(family)
+        """Where the VIP listener and UDP VIP socket bind: ``127.0.0.107`` or ``::1``."""
         self.vip_port = vip_port
-        """The VIP listener's port on ``LISTEN_ADDRESS`` (0: the kernel picks; ``--workers``
+        """The VIP listener's port on ``vip_address`` (0: the kernel picks; ``--workers``
         share one the supervisor reserved)."""
         self._vip_listener: Listener | None = None
         self._vips_wanted: VIPTarget | None = None
@@ -302,7 +320,7 @@ class Dataplane:
         """The sk_lookup program that hands VIP connections to the VIP listener."""
         if local_vips is not None:
             try:
-                self._sk = SkLookup()
+                self._sk = SkLookup(family)
             except OSError as exc:
                 log.error("service VIPs cannot be steered to kpx (%s); every VIP port is"
                           " refused", exc)
@@ -337,7 +355,7 @@ class Dataplane:
         out = [(a, p, lis.state) for (a, p), lis in self._listeners.items()]
         out += [(a, p, f"error: {why}") for (a, p), why in self._failed.items()]
         if self._vip_listener is not None:
-            out.append((LISTEN_ADDRESS, self._vip_listener.port, self._vip_listener.state))
+            out.append((self.vip_address, self._vip_listener.port, self._vip_listener.state))
         return sorted(out)
 
     def udp_sockets(self) -> list[tuple[str, int, str]]:
@@ -358,7 +376,7 @@ class Dataplane:
         out = [(key, lis.sock) for key, lis in self._listeners.items() if lis.sock is not None]
         vl = self._vip_listener
         if vl is not None and vl.sock is not None:
-            out.append(((LISTEN_ADDRESS, vl.port), vl.sock))
+            out.append(((self.vip_address, vl.port), vl.sock))
         return out
 
     def prepare(self, sync: SyncResult) -> None:
@@ -472,7 +490,8 @@ class Dataplane:
         """
         lv = self.local_vips
         assert lv is not None
-        return VIPTarget.build(vips, self._steerable(wanted), lv.nft_table, lv.known, lv.proto)
+        return VIPTarget.build(vips, self._steerable(wanted), lv.nft_table, lv.known, lv.proto,
+                               self.family)
 
     def _sync_vips(self, wanted: Interception, affinity: bool, target: VIPTarget) -> None:
         """Put the VIPs, their steering and their nft table in force, in the background.
@@ -523,13 +542,12 @@ class Dataplane:
                 continue
             self._vips_applied = target
             if self._health is not None:
-                self._health.clear_fault(self.VIP_FAULT)
-            metrics.SERVICE_VIPS.set(len(target.vips))
-            metrics.SERVICE_VIP_PORTS.set(len(rules.served) + len(rules.udp_served))
+                self._health.clear_fault(self.VIP_FAULT, self._fault_family)
+            _count_vips(self.family, len(target.vips), len(rules.served) + len(rules.udp_served))
             vl = self._vip_listener
-            log.info("service VIPs in force (generation %d): %d VIPs, %d ports steered to"
-                     " %s:%d, %d dropping", generation, len(target.vips), len(rules.served),
-                     LISTEN_ADDRESS, vl.port if vl is not None else 0,
+            log.info("IPv%d service VIPs in force (generation %d): %d VIPs, %d ports steered to"
+                     " %s:%d, %d dropping", self.family, generation, len(target.vips),
+                     len(rules.served), self.vip_address, vl.port if vl is not None else 0,
                      len(rules.drop_all) + len(rules.drop_external))
 
     async def _steer(self, served: frozenset[VIPPort], udp_served: frozenset[VIPPort]) -> None:
@@ -548,13 +566,13 @@ class Dataplane:
         """The one listener every VIP port is steered to; None if it cannot bind.
 
         Adopts the one a predecessor passed on (the only socket on
-        ``LISTEN_ADDRESS`` among them): its accept queue carries on.
+        ``vip_address`` among them): its accept queue carries on.
         """
-        key = next((k for k in self._inherited if k[0] == LISTEN_ADDRESS
+        key = next((k for k in self._inherited if k[0] == self.vip_address
                     and (not self.vip_port or k[1] == self.vip_port)), None)
         adopt = self._inherited.pop(key) if key is not None else None
         lis = Listener(
-            self.loop, LISTEN_ADDRESS, key[1] if key is not None else self.vip_port,
+            self.loop, self.vip_address, key[1] if key is not None else self.vip_port,
             self.forwarder.on_accept, admit=self.forwarder.has_capacity,
             on_blocked=self._on_blocked, backlog=self.backlog, reuse_port=self.reuse_port,
             label="service VIPs", accept_set=self.accept_set, steered=True,
@@ -573,17 +591,18 @@ class Dataplane:
         except OSError as exc:
             lis.close()
             log.error("cannot open the service VIP listener on %s:%d: %s; every VIP port is"
-                      " refused until it can", LISTEN_ADDRESS, lis.port, exc.strerror or exc)
+                      " refused until it can", self.vip_address, lis.port,
+                      exc.strerror or exc)
             self._schedule_retry()
             return None
-        log.info("service VIPs steered to %s:%d%s", LISTEN_ADDRESS, lis.port,
+        log.info("service VIPs steered to %s:%d%s", self.vip_address, lis.port,
                  " (socket taken over)" if adopt is not None else "")
         self._vip_listener = lis
         return lis
 
     def _open_udp_vip_front(self) -> None:
         """The one UDP socket every UDP VIP port is steered to; logged and retried if it fails."""
-        front = UdpFront(self.udp, LISTEN_ADDRESS, 0, None, "service VIPs")
+        front = UdpFront(self.udp, self.vip_address, 0, None, "service VIPs")
         try:
             front.open()
             if self._sk is not None:
@@ -592,7 +611,7 @@ class Dataplane:
         except OSError as exc:
             front.close()
             log.error("cannot open the UDP service VIP socket on %s: %s; every UDP VIP port is"
-                      " rejected until it can", LISTEN_ADDRESS, exc.strerror or exc)
+                      " rejected until it can", self.vip_address, exc.strerror or exc)
             self._schedule_retry()
             return
         self._udp_vip_front = front

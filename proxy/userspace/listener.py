@@ -375,7 +375,8 @@ class Listener:
             if self._refuse_loopback and addr[0] == IPV6_LOOPBACK and _to_loopback(conn):
                 _reset(conn)
                 continue
-            self._on_accept(conn, addr, conn.getsockname() if self.steered else self.port)
+            # An IPv6 name is a 4-tuple: the plans know (VIP, port).
+            self._on_accept(conn, addr, conn.getsockname()[:2] if self.steered else self.port)
         if self._backoff:
             if self._errors_in_episode > 1:
                 log.info(

@@ -46,8 +46,13 @@ ways to reach one listener for many addresses (figures: docs/PERFORMANCE.md,
 The socket lookup is the last step of local delivery, after the bridge and
 every hook, so the program sees pods, the node's own processes (over
 ``lo``) and outside clients alike, with no conntrack and no rule per VIP.
-No compiler or library is needed: the program is 35 instructions written
-here, loaded with bpf(2) through ctypes.
+No compiler or library is needed: the program is 35 instructions (41 for
+IPv6) written here, loaded with bpf(2) through ctypes.
+
+One program per family: ``SkLookup(family=6)`` reads the context's
+``local_ip6`` into a 24-byte key and passes IPv4 lookups, the IPv4 one the
+reverse; each family's dataplane links its own, and a socket of its family
+(``::1`` for the IPv6 VIP listener) takes the lookups it assigns.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ SK_PASS = 1
 CTX_FAMILY = 8
 CTX_PROTOCOL = 12
 CTX_LOCAL_IP4 = 40
+CTX_LOCAL_IP6 = 44
 CTX_LOCAL_PORT = 60
 
 MAX_PAIRS = 1 << 18
@@ -114,11 +120,6 @@ def _insn(op: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> by
     return struct.pack("=BBhi", op, (src << 4) | dst, off, imm)
 
 
-def _ld_map(dst: int, fd: int) -> bytes:
-    """``dst = &map`` (a two-slot ``BPF_LD | BPF_IMM | BPF_DW`` with a map fd)."""
-    return _insn(0x18, dst, BPF_PSEUDO_MAP_FD, 0, fd) + _insn(0)
-
-
 PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP}
 """The protocols the program steers, by the names Services use; sk_lookup knows no others."""
 SLOTS = {"TCP": 0, "UDP": 1}
@@ -126,57 +127,85 @@ SLOTS = {"TCP": 0, "UDP": 1}
 _SLOT_OF_TYPE = {socket.SOCK_STREAM: "TCP", socket.SOCK_DGRAM: "UDP"}
 
 
-def program(pairs_fd: int, sockmap_fd: int) -> bytes:
-    """The sk_lookup program: a served IPv4 ``(local_ip4, local_port, protocol)`` to its socket.
+def program(pairs_fd: int, sockmap_fd: int, family: int = 4) -> bytes:
+    """The sk_lookup program: a served ``(local_ip, local_port, protocol)`` to its socket.
 
-    The pair map's key is the context's ``local_ip4`` (network order), then
-    ``local_port`` (host order, u32), then ``protocol`` (u32), exactly as the
-    program stores them (``pair_key``). The sockmap slot follows the
-    protocol: TCP 0, UDP 1 (``SLOTS``); the kernel would refuse a socket of
-    the other protocol anyway (``-EPROTOTYPE``), and a missing one is passed.
+    ``family`` 4 reads ``local_ip4``, 6 the four words of ``local_ip6``; a
+    lookup of the other family is passed (each family's dataplane links its
+    own program, as kube-proxy runs a proxier per family). The pair map's
+    key is that address (network order), then ``local_port`` (host order,
+    u32), then ``protocol`` (u32), exactly as the program stores them
+    (``pair_key``). The sockmap slot follows the protocol: TCP 0, UDP 1
+    (``SLOTS``); the kernel would refuse a socket of the other protocol
+    anyway (``-EPROTOTYPE``), and a missing one is passed.
     """
-    to_pass = 33  # the slot of ``r0 = SK_PASS``; a jump's offset counts from the next slot
+    if family not in (4, 6):
+        raise ValueError(f"family {family}: must be 4 or 6")
+    words = (CTX_LOCAL_IP4,) if family == 4 else tuple(CTX_LOCAL_IP6 + 4 * i for i in range(4))
+    key_len = 4 * len(words) + 8
+    slot_at = -key_len - 4
     tcp, udp = socket.IPPROTO_TCP, socket.IPPROTO_UDP
-    return b"".join([
-        _insn(0xBF, 6, 1),                                    # 0  r6 = ctx
-        _insn(0x61, 2, 6, CTX_FAMILY),                        # 1  r2 = ctx->family
-        _insn(0x55, 2, 0, to_pass - 3, socket.AF_INET),       # 2  not IPv4: pass
-        _insn(0x61, 7, 6, CTX_PROTOCOL),                      # 3  r7 = ctx->protocol
-        _insn(0xB7, 8, 0, 0, SLOTS["TCP"]),                   # 4  r8 = slot = TCP's
-        _insn(0x15, 7, 0, 8 - 6, tcp),                        # 5  TCP: to the key
-        _insn(0xB7, 8, 0, 0, SLOTS["UDP"]),                   # 6  r8 = slot = UDP's
-        _insn(0x55, 7, 0, to_pass - 8, udp),                  # 7  neither TCP nor UDP: pass
-        _insn(0x61, 2, 6, CTX_LOCAL_IP4),                     # 8  key[0:4] = local_ip4
-        _insn(0x63, 10, 2, -12),                              # 9
-        _insn(0x61, 2, 6, CTX_LOCAL_PORT),                    # 10 key[4:8] = local_port
-        _insn(0x63, 10, 2, -8),                               # 11
-        _insn(0x63, 10, 7, -4),                               # 12 key[8:12] = protocol
-        _insn(0xBF, 2, 10),                                   # 13 r2 = &key
-        _insn(0x07, 2, 0, 0, -12),                            # 14
-        _ld_map(1, pairs_fd),                                 # 15-16 r1 = pairs
-        _insn(0x85, 0, 0, 0, HELPER_MAP_LOOKUP),              # 17 r0 = lookup(pairs, &key)
-        _insn(0x15, 0, 0, to_pass - 19, 0),                   # 18 not served: pass
-        _insn(0x63, 10, 8, -16),                              # 19 slot, on the stack
-        _insn(0xBF, 2, 10),                                   # 20 r2 = &slot
-        _insn(0x07, 2, 0, 0, -16),                            # 21
-        _ld_map(1, sockmap_fd),                               # 22-23 r1 = sockmap
-        _insn(0x85, 0, 0, 0, HELPER_MAP_LOOKUP),              # 24 r0 = the socket, referenced
-        _insn(0x15, 0, 0, to_pass - 26, 0),                   # 25 none: pass
-        _insn(0xBF, 7, 0),                                    # 26 r7 = sk
-        _insn(0xBF, 1, 6),                                    # 27 sk_assign(ctx, sk, 0)
-        _insn(0xBF, 2, 7),                                    # 28
-        _insn(0xB7, 3, 0, 0, 0),                              # 29
-        _insn(0x85, 0, 0, 0, HELPER_SK_ASSIGN),               # 30
-        _insn(0xBF, 1, 7),                                    # 31 sk_release(sk)
-        _insn(0x85, 0, 0, 0, HELPER_SK_RELEASE),              # 32
-        _insn(0xB7, 0, 0, 0, SK_PASS),                        # 33 pass: r0 = SK_PASS
-        _insn(0x95),                                          # 34 exit
-    ])
+    # (opcode, dst, src, offset, imm, the label a jump goes to); labels: slot numbers.
+    code: list[tuple[int, int, int, int, int, str | None]] = []
+
+    def op(o: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0,
+           to: str | None = None) -> None:
+        code.append((o, dst, src, off, imm, to))
+
+    labels: dict[str, int] = {}
+    op(0xBF, 6, 1)                                        # r6 = ctx
+    op(0x61, 2, 6, CTX_FAMILY)                            # r2 = ctx->family
+    op(0x55, 2, 0, imm=_AF[family], to="pass")            # not this family: pass
+    op(0x61, 7, 6, CTX_PROTOCOL)                          # r7 = ctx->protocol
+    op(0xB7, 8, 0, imm=SLOTS["TCP"])                      # r8 = slot = TCP's
+    op(0x15, 7, 0, imm=tcp, to="key")                     # TCP: to the key
+    op(0xB7, 8, 0, imm=SLOTS["UDP"])                      # r8 = slot = UDP's
+    op(0x55, 7, 0, imm=udp, to="pass")                    # neither TCP nor UDP: pass
+    labels["key"] = len(code)
+    for i, at in enumerate(words):                        # key[0:4n] = the local address
+        op(0x61, 2, 6, at)
+        op(0x63, 10, 2, -key_len + 4 * i)
+    op(0x61, 2, 6, CTX_LOCAL_PORT)                        # then local_port
+    op(0x63, 10, 2, -8)
+    op(0x63, 10, 7, -4)                                   # then protocol
+    op(0xBF, 2, 10)                                       # r2 = &key
+    op(0x07, 2, 0, imm=-key_len)
+    op(0x18, 1, BPF_PSEUDO_MAP_FD, imm=pairs_fd)          # r1 = pairs (two slots)
+    op(0)
+    op(0x85, imm=HELPER_MAP_LOOKUP)                       # r0 = lookup(pairs, &key)
+    op(0x15, 0, 0, imm=0, to="pass")                      # not served: pass
+    op(0x63, 10, 8, slot_at)                              # slot, on the stack
+    op(0xBF, 2, 10)                                       # r2 = &slot
+    op(0x07, 2, 0, imm=slot_at)
+    op(0x18, 1, BPF_PSEUDO_MAP_FD, imm=sockmap_fd)        # r1 = sockmap (two slots)
+    op(0)
+    op(0x85, imm=HELPER_MAP_LOOKUP)                       # r0 = the socket, referenced
+    op(0x15, 0, 0, imm=0, to="pass")                      # none: pass
+    op(0xBF, 7, 0)                                        # r7 = sk
+    op(0xBF, 1, 6)                                        # sk_assign(ctx, sk, 0)
+    op(0xBF, 2, 7)
+    op(0xB7, 3, 0, imm=0)
+    op(0x85, imm=HELPER_SK_ASSIGN)
+    op(0xBF, 1, 7)                                        # sk_release(sk)
+    op(0x85, imm=HELPER_SK_RELEASE)
+    labels["pass"] = len(code)
+    op(0xB7, 0, 0, imm=SK_PASS)                           # pass: r0 = SK_PASS
+    op(0x95)                                              # exit
+    return b"".join(_insn(o, dst, src, off if to is None else labels[to] - i - 1, imm)
+                    for i, (o, dst, src, off, imm, to) in enumerate(code))
+
+
+_AF = {4: socket.AF_INET, 6: socket.AF_INET6}
+_ANY = {4: "0.0.0.0", 6: "::"}
 
 
 def pair_key(ip: str, port: int, proto: str = "TCP") -> bytes:
-    """The pair map's key for ``ip:port`` over ``proto`` (the layout ``program`` builds)."""
-    return socket.inet_aton(ip) + struct.pack("=II", port, PROTOCOLS[proto])
+    """The pair map's key for ``ip:port`` over ``proto`` (the layout ``program`` builds).
+
+    An IPv6 ``ip`` makes the 24-byte key of the IPv6 program's map.
+    """
+    packed = socket.inet_pton(socket.AF_INET6, ip) if ":" in ip else socket.inet_aton(ip)
+    return packed + struct.pack("=II", port, PROTOCOLS[proto])
 
 
 def _proto(proto: str) -> str:
@@ -195,15 +224,20 @@ class SkLookup:
     loop can yield between them; ``close()`` unlinks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, family: int = 4) -> None:
+        if family not in _AF:
+            raise ValueError(f"family {family}: must be 4 or 6")
+        self.family = family
+        """The lookups it steers: IPv4 or IPv6 (the other family's are passed)."""
         self._fds: list[int] = []
         try:
             self.pairs_fd = self._keep(_bpf(BPF_MAP_CREATE, struct.pack(
-                "=IIIII", BPF_MAP_TYPE_HASH, len(pair_key("0.0.0.0", 0)), 1, MAX_PAIRS,
+                "=IIIII", BPF_MAP_TYPE_HASH, len(pair_key(_ANY[family], 0)), 1, MAX_PAIRS,
                 BPF_F_NO_PREALLOC)))
             self.sockmap_fd = self._keep(_bpf(BPF_MAP_CREATE, struct.pack(
                 "=IIIII", BPF_MAP_TYPE_SOCKMAP, 4, 8, len(SLOTS), 0)))
-            self.prog_fd = self._keep(self._load(program(self.pairs_fd, self.sockmap_fd)))
+            self.prog_fd = self._keep(self._load(program(self.pairs_fd, self.sockmap_fd,
+                                                         family)))
             netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 self.link_fd = self._keep(_bpf(BPF_LINK_CREATE, struct.pack(
@@ -251,10 +285,16 @@ class SkLookup:
         A listening TCP socket (``SOCK_STREAM``) takes the TCP slot, a bound
         UDP socket (``SOCK_DGRAM``) the UDP one: the type says which, so a
         caller cannot put a socket where the kernel would refuse to assign it.
+        Its family must be the program's: the kernel refuses an IPv4 socket
+        for an IPv6 lookup (``-EAFNOSUPPORT``) when it assigns, where nobody
+        would see the error.
         """
         proto = _SLOT_OF_TYPE.get(sock.type)
         if proto is None:
             raise ValueError(f"sk_lookup steers to TCP or UDP sockets, not {sock.type!r}")
+        if sock.family != _AF[self.family]:
+            raise ValueError(f"the IPv{self.family} sk_lookup program cannot steer to a"
+                             f" {sock.family.name} socket")
         key = ctypes.create_string_buffer(struct.pack("=I", SLOTS[proto]), 4)
         value = ctypes.create_string_buffer(struct.pack("=Q", sock.fileno()), 8)
         _bpf(BPF_MAP_UPDATE_ELEM, struct.pack(

@@ -87,8 +87,21 @@ manager that cleans foreign routes such as systemd-networkd with
 ``ManageForeignRoutes=yes``): ``ensure``, run every sync period by the
 owner, puts back what is missing and reports it.
 
-IPv4 only, as kpx's listeners are (an IPv6 VIP would need an ``ip6`` table
-and a local route of its own).
+IPv6 (``LocalVIPs(family=6)``, the IPv6 dataplane's): the same design in the
+other family. Each VIP is ``local <VIP>/128 dev lo table local proto 107``
+(the kernel's IPv6 input routing delivers to a ``local`` route as IPv4's
+does, and ``ip6_route_del`` matches the proto too); the table is ``ip6
+kpx_vips``, beside ``ip kpx_vips``, with ``ipv6_addr`` sets, the IPv6
+``--cluster-cidr`` prefixes in ``passed`` and ICMPv6 port unreachable for
+UDP; the listener and UDP socket the program steers to are on ``::1``
+(``LISTEN_ADDRESS6``: IPv6 has no other loopback address, and ``::1`` is
+never a NodePort). No sysctl: IPv6 has no ``arp_ignore``, and needs none.
+A node answers a Neighbour Solicitation only for an address configured on
+the interface it arrived on (or one an operator added for proxy NDP), so a
+VIP that is a route and never an address is never claimed on any link;
+addresses on ``lo`` (even ``nodad``) would add DAD and ``ip addr`` noise for
+nothing. The bind a UDP answer needs from ``VIP:port`` takes
+``IPV6_TRANSPARENT`` (IPv6's bind checks addresses, not routes).
 
 Subprocesses and not pyroute2, for the reason ``transparent.py`` gives (the
 event loop); the steps are written once, sans I/O, and driven by
@@ -160,24 +173,38 @@ the wrong one."""
 _seq = itertools.count()
 
 
-def vip(address: str) -> str:
-    """The canonical text of one VIP; ValueError for anything that is not one.
+def vip(address: str, family: int = 4) -> str:
+    """The canonical text of one VIP of ``family``; ValueError for anything that is not one.
 
-    IPv4 only; never the unspecified, loopback, multicast or limited
-    broadcast address (they are local already, or never a destination).
-    ``inet_pton`` takes strict dotted quads only, and is a tenth of
-    ``ipaddress``'s cost: 50,000 VIPs are validated in a sync.
+    Never the unspecified, loopback, multicast or limited broadcast address
+    (they are local already, or never a destination); for IPv6 not a
+    link-local (it needs a zone, and is no service address) nor an
+    IPv4-mapped one either. ``inet_pton`` takes strict dotted quads only, and
+    is a tenth of ``ipaddress``'s cost: 50,000 VIPs are validated in a sync.
     """
-    try:
-        packed = socket.inet_pton(socket.AF_INET, address.strip())
-    except OSError:
-        ipaddress.ip_address(address.strip())  # ValueError naming it, unless it is IPv6
-        raise ValueError(f"{address!r}: kpx makes IPv4 VIPs local only") from None
+    if family == 6:
+        packed = _packed(address, socket.AF_INET6)
+        if (packed[0] == 0xFF or (packed[0] == 0xFE and packed[1] & 0xC0 == 0x80)
+                or packed[:15] == bytes(15) or packed[:12] == bytes(10) + b"\xff\xff"):
+            raise ValueError(f"{address!r}: not usable as a service VIP")
+        return socket.inet_ntop(socket.AF_INET6, packed)
+    packed = _packed(address, socket.AF_INET)
     first = packed[0]
     if (first == 127 or 224 <= first <= 239 or packed == b"\0\0\0\0"
             or packed == b"\xff\xff\xff\xff"):
         raise ValueError(f"{address!r}: not usable as a service VIP")
     return socket.inet_ntop(socket.AF_INET, packed)
+
+
+def _packed(address: str, af: socket.AddressFamily) -> bytes:
+    """``address`` of family ``af``, packed; ValueError naming it (and the family it is)."""
+    try:
+        return socket.inet_pton(af, address.strip())
+    except OSError:
+        ipaddress.ip_address(address.strip())  # ValueError naming it, unless the other family
+        given, made = ("IPv4", "IPv6") if af == socket.AF_INET6 else ("IPv6", "IPv4")
+        raise ValueError(f"{address!r}: an {given} address where {made} VIPs are made local"
+                         ) from None
 
 
 NFT_TABLE = "kpx_vips"
@@ -187,6 +214,22 @@ LISTEN_ADDRESS = "127.0.0.107"
 it is never reached from off the node, and no NodePort listener ever binds
 this address, so a successor tells it from the NodePort sockets passed on
 to it. A node process dialling it directly meets no service and is reset."""
+
+LISTEN_ADDRESS6 = "::1"
+"""The IPv6 VIP listener's address: IPv6 has one loopback address only, and
+the IPv6 NodePort listeners never bind it (``::1`` is never a NodePort), so
+here too the successor tells the VIP listener apart by its address."""
+
+
+def listen_address(family: int) -> str:
+    """Where ``family``'s VIP listener (and UDP VIP socket) binds."""
+    return LISTEN_ADDRESS6 if family == 6 else LISTEN_ADDRESS
+
+
+def _ip(family: int) -> str:
+    """nft's name of the family, as in ``table ip6 kpx_vips``."""
+    return "ip6" if family == 6 else "ip"
+
 
 VIPPort = tuple[str, int]
 
@@ -229,11 +272,12 @@ class VIPTarget:
     @classmethod
     def build(cls, wanted: Iterable[str], rules: Interception | None,
               table: str = NFT_TABLE, known: LocalTable | None = None,
-              proto: int = VIP_PROTO) -> VIPTarget:
-        """Validate ``wanted`` (ValueError: ``vip``), render the table and, given the
-        table as it is ``known``, the route changes; pure, any thread."""
-        vips = frozenset(map(vip, wanted))
-        return cls(vips, rules, None if rules is None else nft_script(vips, rules, table),
+              proto: int = VIP_PROTO, family: int = 4) -> VIPTarget:
+        """Validate ``wanted`` as VIPs of ``family`` (ValueError: ``vip``), render the
+        table and, given the table as it is ``known``, the route changes; pure, any thread."""
+        vips = frozenset(vip(a, family) for a in wanted)
+        return cls(vips, rules,
+                   None if rules is None else nft_script(vips, rules, table, family),
                    None if known is None else RouteDiff.between(known, vips, proto))
 
     def same(self, other: VIPTarget | None) -> bool:
@@ -278,7 +322,8 @@ def _elements(items: Iterable[str]) -> str:
     return f" elements = {{ {body} }};" if body else ""
 
 
-def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE) -> str:
+def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
+               family: int = 4) -> str:
     """The nft transaction that makes the table exactly ``rules``, atomically.
 
     Declaring then deleting the table first makes a leftover (a crashed kpx,
@@ -291,40 +336,47 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE)
     unreachable (kube-proxy's REJECT for UDP). The drop and reject rules
     count what they turn away (``nft list table ip kpx_vips``): an
     operator's first question about a timing-out VIP.
+
+    ``family`` 6 writes the same table in the ``ip6`` family (``ip6
+    kpx_vips``, beside ``ip kpx_vips``), with ``ipv6_addr`` sets and ICMPv6's
+    port unreachable for UDP.
     """
+    ip, addr = ("ip6", "ipv6_addr") if family == 6 else ("ip", "ipv4_addr")
+    unreachable = "icmpv6 type port-unreachable" if family == 6 else "icmp type port-unreachable"
+
     def pairs(s: frozenset[VIPPort]) -> str:
         return _elements(f"{a} . {p}" for a, p in ordered(s))
 
     cidrs = _elements(rules.passed)
     return (
-        f"table ip {table}\n"
-        f"delete table ip {table}\n"
-        f"table ip {table} {{\n"
-        f"  set vips {{ type ipv4_addr;{_elements(ordered(vips))} }}\n"
-        f"  set served {{ type ipv4_addr . inet_service;{pairs(rules.served)} }}\n"
-        f"  set drop_all {{ type ipv4_addr . inet_service;{pairs(rules.drop_all)} }}\n"
-        f"  set drop_external {{ type ipv4_addr . inet_service;{pairs(rules.drop_external)} }}\n"
-        f"  set passed {{ type ipv4_addr; flags interval;{cidrs} }}\n"
-        f"  set udp_served {{ type ipv4_addr . inet_service;{pairs(rules.udp_served)} }}\n"
-        f"  set udp_drop_all {{ type ipv4_addr . inet_service;{pairs(rules.udp_drop_all)} }}\n"
-        f"  set udp_drop_external {{ type ipv4_addr . inet_service;"
+        f"table {ip} {table}\n"
+        f"delete table {ip} {table}\n"
+        f"table {ip} {table} {{\n"
+        f"  set vips {{ type {addr};{_elements(ordered(vips))} }}\n"
+        f"  set served {{ type {addr} . inet_service;{pairs(rules.served)} }}\n"
+        f"  set drop_all {{ type {addr} . inet_service;{pairs(rules.drop_all)} }}\n"
+        f"  set drop_external {{ type {addr} . inet_service;{pairs(rules.drop_external)} }}\n"
+        f"  set passed {{ type {addr}; flags interval;{cidrs} }}\n"
+        f"  set udp_served {{ type {addr} . inet_service;{pairs(rules.udp_served)} }}\n"
+        f"  set udp_drop_all {{ type {addr} . inet_service;{pairs(rules.udp_drop_all)} }}\n"
+        f"  set udp_drop_external {{ type {addr} . inet_service;"
         f"{pairs(rules.udp_drop_external)} }}\n"
         f"  chain udp_guard {{\n"
-        f"    ip daddr . udp dport @udp_drop_all counter drop\n"
-        f"    ip daddr . udp dport @udp_drop_external ip saddr != @passed"
+        f"    {ip} daddr . udp dport @udp_drop_all counter drop\n"
+        f"    {ip} daddr . udp dport @udp_drop_external {ip} saddr != @passed"
         f" fib saddr type != local counter drop\n"
-        f"    ip daddr . udp dport @udp_served return\n"
-        f"    counter reject with icmp type port-unreachable\n"
+        f"    {ip} daddr . udp dport @udp_served return\n"
+        f"    counter reject with {unreachable}\n"
         f"  }}\n"
         f"  chain guard {{\n"
         f"    type filter hook prerouting priority mangle; policy accept;\n"
-        f"    ip daddr != @vips return\n"
+        f"    {ip} daddr != @vips return\n"
         f"    meta l4proto udp jump udp_guard\n"
         f"    tcp flags & (syn | ack) != syn return\n"
-        f"    ip daddr . tcp dport @drop_all counter drop\n"
-        f"    ip daddr . tcp dport @drop_external ip saddr != @passed"
+        f"    {ip} daddr . tcp dport @drop_all counter drop\n"
+        f"    {ip} daddr . tcp dport @drop_external {ip} saddr != @passed"
         f" fib saddr type != local counter drop\n"
-        f"    ip daddr . tcp dport @served return\n"
+        f"    {ip} daddr . tcp dport @served return\n"
         f"    meta l4proto tcp counter reject with tcp reset\n"
         f"  }}\n"
         f"}}\n"
@@ -359,19 +411,19 @@ def rule_counters(listing: str) -> dict[str, int]:
     return out
 
 
-def _rules_present_steps(table: str = NFT_TABLE) -> Steps[bool]:
+def _rules_present_steps(table: str = NFT_TABLE, family: int = 4) -> Steps[bool]:
     """Is the table there with its guard chain? (Not its elements: the listing is cheap.)"""
-    res = yield ["nft", "list", "chain", "ip", table, "guard"], None
+    res = yield ["nft", "list", "chain", _ip(family), table, "guard"], None
     return res.returncode == 0 and "reject with tcp reset" in res.stdout
 
 
-def _rules_remove_steps(table: str = NFT_TABLE) -> Steps[bool]:
-    res = yield ["nft", "list", "table", "ip", table], None
+def _rules_remove_steps(table: str = NFT_TABLE, family: int = 4) -> Steps[bool]:
+    res = yield ["nft", "list", "table", _ip(family), table], None
     if res.returncode != 0:
         return False
-    res = yield ["nft", "delete", "table", "ip", table], None
+    res = yield ["nft", "delete", "table", _ip(family), table], None
     if res.returncode != 0:
-        raise RuntimeError(f"nft delete table ip {table}: {res.stderr.strip()}")
+        raise RuntimeError(f"nft delete table {_ip(family)} {table}: {res.stderr.strip()}")
     return True
 
 
@@ -399,7 +451,7 @@ class VIPChanges:
 
 
 class LocalTable(NamedTuple):
-    """The IPv4 ``local`` table as far as VIPs are concerned."""
+    """One family's ``local`` table as far as VIPs are concerned."""
 
     ours: frozenset[str]
     """Host routes of type local with kpx's proto."""
@@ -408,7 +460,7 @@ class LocalTable(NamedTuple):
 
 
 def parse_local_table(listing: str, proto: int = VIP_PROTO) -> LocalTable:
-    """Read ``ip -N -o -4 route show table local``: one route per line.
+    """Read ``ip -N -o -4 route show table local`` (or ``-6``): one route per line.
 
     ``-N`` prints type, protocol and scope as numbers (type 2 is ``local``),
     so a name for 107 in some ``rt_protos.d`` file changes nothing. Only
@@ -420,7 +472,7 @@ def parse_local_table(listing: str, proto: int = VIP_PROTO) -> LocalTable:
     mark = f" proto {proto} "
     for line in listing.splitlines():
         kind, _, rest = line.partition(" ")
-        dst = rest.split(" ", 1)[0].removesuffix("/32")
+        dst = rest.split(" ", 1)[0].removesuffix("/32").removesuffix("/128")
         if not dst or "/" in dst or dst == "default":
             continue
         mine = kind in ("2", "local") and mark in line + " "
@@ -434,20 +486,24 @@ def batch_script(add: Iterable[str], delete: Iterable[str], proto: int = VIP_PRO
     ``add``, never ``replace``: a route that exists already (even someone
     else's with the same destination) makes the line fail instead of being
     overwritten. Every delete names the proto, so the kernel can match only
-    a kpx route.
+    a kpx route (IPv6 matches it too, ``ip6_route_del``). An IPv6 VIP is a
+    ``/128``: ``ip`` takes the family from the address.
     """
-    lines = [f"route del local {a}/32 table {LOCAL_TABLE} proto {proto}" for a in delete]
-    lines += [f"route add local {a}/32 dev lo table {LOCAL_TABLE} proto {proto} scope host"
+    def host(a: str) -> str:
+        return f"{a}/128" if ":" in a else f"{a}/32"
+
+    lines = [f"route del local {host(a)} table {LOCAL_TABLE} proto {proto}" for a in delete]
+    lines += [f"route add local {host(a)} dev lo table {LOCAL_TABLE} proto {proto} scope host"
               for a in add]
     return "".join(line + "\n" for line in lines)
 
 
-def _list_argv() -> list[str]:
-    return ["ip", "-N", "-o", "-4", "route", "show", "table", LOCAL_TABLE]
+def _list_argv(family: int = 4) -> list[str]:
+    return ["ip", "-N", "-o", f"-{family}", "route", "show", "table", LOCAL_TABLE]
 
 
-def _table_steps(proto: int) -> Steps[LocalTable]:
-    res = yield _list_argv(), None
+def _table_steps(proto: int, family: int = 4) -> Steps[LocalTable]:
+    res = yield _list_argv(family), None
     if res.returncode != 0:
         raise RuntimeError(f"ip route show table local: {res.stderr.strip() or res.returncode}")
     return parse_local_table(res.stdout, proto)
@@ -465,7 +521,8 @@ def _batch_text_steps(text: str) -> Steps[str]:
 
 def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
                   script: str | None = None, known: LocalTable | None = None,
-                  diff: RouteDiff | None = None) -> Steps[tuple[VIPChanges, LocalTable]]:
+                  diff: RouteDiff | None = None, family: int = 4
+                  ) -> Steps[tuple[VIPChanges, LocalTable]]:
     """Make every wanted VIP local; with ``delete_unwanted``, delete kpx's other routes.
 
     ``script`` (``nft_script``), if given, is written between the adds and
@@ -485,7 +542,7 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
     afterwards, a wanted VIP is still not local or an unwanted kpx route is
     still there.
     """
-    table = known if known is not None else (yield from _table_steps(proto))
+    table = known if known is not None else (yield from _table_steps(proto, family))
     if diff is None or diff.base is not table or not delete_unwanted:
         diff = RouteDiff.between(table, wanted, proto)
         if not delete_unwanted:
@@ -504,11 +561,11 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
     if errors:
         log.info("VIP routes: the table was not as kpx left it (%s); reading it back",
                  errors[0].splitlines()[0][:200])
-        after = yield from _table_steps(proto)
+        after = yield from _table_steps(proto, family)
         again = sorted(wanted - after.ours - after.others)
         if again:  # ours that went while we trusted the record: once more, now we know
             errors.append((yield from _batch_steps(again, (), proto)))
-            after = yield from _table_steps(proto)
+            after = yield from _table_steps(proto, family)
             add = sorted(set(add).union(again))
         missing = sorted(wanted - after.ours - after.others)
         left = sorted(after.ours.intersection(delete))
@@ -527,18 +584,19 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
     return changes, table
 
 
-def _ours_steps(proto: int) -> Steps[frozenset[str] | None]:
+def _ours_steps(proto: int, family: int = 4) -> Steps[frozenset[str] | None]:
     """The destinations of kpx's routes, from one line each: split, not JSON (10 ms for 50,000)."""
-    res = yield ["ip", "-4", "-o", "route", "show", "table", LOCAL_TABLE, "proto", str(proto)], None
+    res = yield ["ip", f"-{family}", "-o", "route", "show", "table", LOCAL_TABLE, "proto",
+                 str(proto)], None
     if res.returncode != 0:
         return None
-    return frozenset(ln.split(None, 2)[1].removesuffix("/32")
+    return frozenset(ln.split(None, 2)[1].removesuffix("/32").removesuffix("/128")
                      for ln in res.stdout.splitlines() if ln.strip())
 
 
 def _ensure_steps(wanted: frozenset[str], proto: int, script: str | None,
-                  table_name: str = NFT_TABLE, known: LocalTable | None = None
-                  ) -> Steps[tuple[VIPChanges, LocalTable]]:
+                  table_name: str = NFT_TABLE, known: LocalTable | None = None,
+                  family: int = 4) -> Steps[tuple[VIPChanges, LocalTable]]:
     """Put back missing routes, and the nft table if it is gone; never deletes.
 
     With ``known`` (the last sync's table) and exactly its kpx routes in
@@ -546,24 +604,26 @@ def _ensure_steps(wanted: frozenset[str], proto: int, script: str | None,
     ``ip`` run and a split per route however many VIPs there are.
     """
     if (known is not None and wanted <= known.ours | known.others
-            and (yield from _ours_steps(proto)) == known.ours):
+            and (yield from _ours_steps(proto, family)) == known.ours):
         changes, table = VIPChanges(foreign=tuple(sorted(wanted & known.others))), known
     else:
-        changes, table = yield from _change_steps(wanted, proto, delete_unwanted=False)
-    if script is not None and not (yield from _rules_present_steps(table_name)):
+        changes, table = yield from _change_steps(wanted, proto, delete_unwanted=False,
+                                                  family=family)
+    if script is not None and not (yield from _rules_present_steps(table_name, family)):
         yield from _rules_steps(script)
         changes = VIPChanges(changes.added, changes.removed, changes.foreign, rules=True)
     return changes, table
 
 
-def _remove_steps(proto: int, table_name: str = NFT_TABLE) -> Steps[tuple[str, ...]]:
+def _remove_steps(proto: int, table_name: str = NFT_TABLE, family: int = 4
+                  ) -> Steps[tuple[str, ...]]:
     """The nft table first (nothing steers to a VIP that is going), then every kpx route."""
-    yield from _rules_remove_steps(table_name)
-    table = yield from _table_steps(proto)
+    yield from _rules_remove_steps(table_name, family)
+    table = yield from _table_steps(proto, family)
     if not table.ours:
         return ()
     res = yield ["ip", "-force", "-batch", "-"], batch_script((), sorted(table.ours), proto)
-    after = yield from _table_steps(proto)
+    after = yield from _table_steps(proto, family)
     if after.ours:
         raise RuntimeError(f"VIP routes still present after removing them: {sorted(after.ours)}: "
                            f"{res.stderr.strip() or f'ip exit {res.returncode}'}")
@@ -583,7 +643,13 @@ class LocalVIPs:
     """
 
     def __init__(self, *, base: str = BASE_NAME, proto: int = VIP_PROTO,
-                 sysctl_dir: Path = ARP_SYSCTL_DIR, net_unix: Path = THREAD_NET_UNIX) -> None:
+                 sysctl_dir: Path = ARP_SYSCTL_DIR, net_unix: Path = THREAD_NET_UNIX,
+                 family: int = 4) -> None:
+        if family not in (4, 6):
+            raise ValueError(f"family {family}: must be 4 or 6")
+        self.family = family
+        """The VIPs it makes local: IPv4 (``ip kpx_vips``, ARP settings) or IPv6
+        (``ip6 kpx_vips``, no settings at all: the module docstring says why)."""
         self.base = base
         self.proto = proto
         self.sysctl_dir = sysctl_dir
@@ -602,10 +668,12 @@ class LocalVIPs:
         self._originals: dict[str, int | None] = {}
         """sysctl -> its value before any kpx of the namespace changed it (None: left alone)."""
         self._warned: set[str] = set()
+        self._installed6 = False
+        """IPv6: installed (there are no ARP originals whose name would say so)."""
 
     @property
     def installed(self) -> bool:
-        return self._name is not None
+        return self._name is not None or self._installed6
 
     # -- sync, ensure --------------------------------------------------------------------
 
@@ -623,11 +691,11 @@ class LocalVIPs:
         """Make exactly ``wanted`` (plus anything foreign) the kpx VIPs; blocking (start, tests).
 
         ``rules``: also write the nft table (``nft_script``); None leaves it
-        alone. ValueError for an entry that is not an IPv4 VIP (``vip``),
+        alone. ValueError for an entry that is not a VIP of the family (``vip``),
         before anything changes; RuntimeError if the routes or rules could
         not be made so.
         """
-        target = VIPTarget.build(wanted, rules, self.nft_table)
+        target = VIPTarget.build(wanted, rules, self.nft_table, family=self.family)
         with routing_lock(self.base):
             arp = self._arp()
             changes = self._record(target, _drive(self._change(target)))
@@ -653,7 +721,7 @@ class LocalVIPs:
 
     def _change(self, target: VIPTarget) -> Steps[tuple[VIPChanges, LocalTable]]:
         return _change_steps(target.vips, self.proto, True, target.script, self._known,
-                             target.diff)
+                             target.diff, self.family)
 
     def _record(self, target: VIPTarget | None,
                 result: tuple[VIPChanges, LocalTable]) -> VIPChanges:
@@ -665,7 +733,8 @@ class LocalVIPs:
         return changes
 
     def _ensure(self) -> Steps[tuple[VIPChanges, LocalTable]]:
-        return _ensure_steps(self.wanted, self.proto, self._script, self.nft_table, self._known)
+        return _ensure_steps(self.wanted, self.proto, self._script, self.nft_table, self._known,
+                             self.family)
 
     def ensure(self) -> VIPChanges:
         """Put back what is missing of the last ``sync``: routes, rules, ARP settings.
@@ -709,7 +778,7 @@ class LocalVIPs:
             with routing_lock(self.base):
                 if self._left_to_others():
                     return False
-                removed = _drive(_remove_steps(self.proto, self.nft_table))
+                removed = _drive(_remove_steps(self.proto, self.nft_table, self.family))
                 restored = self._restore_arp()
         finally:
             self._release()
@@ -767,7 +836,15 @@ class LocalVIPs:
         else from what is read now. Called under the routing lock. A setting
         that cannot be written (a read-only ``/proc/sys``) is one warning: the
         VIPs work without it, only ARP hygiene is missing.
+
+        IPv6 has none to set: a node answers a Neighbour Solicitation only for
+        an address configured on the interface it came in on (or with proxy
+        NDP, for entries someone added), and a VIP is a route, never an
+        address, so it is never claimed on the wire.
         """
+        if self.family == 6:
+            self._installed6 = True
+            return ()
         first = self._name is None
         holders = self._holders() if first else []
         if first:
@@ -820,6 +897,7 @@ class LocalVIPs:
 
     def _release(self) -> None:
         """Done with VIPs: the originals go with the name (whoever still holds one has them)."""
+        self._installed6 = False
         if self._name is not None:
             self._name.close()
             self._name = None
@@ -850,7 +928,9 @@ class VIPGuard:
     re-checks. A route deleted outside kpx is put back, counted
     (``kubeproxy_kpx_vip_repairs_total{part}``) and logged; while a check
     fails, ``ProxyHealth`` carries a fault, so health answers 503. Only the
-    namespace's owner runs one; it is cancelled at SIGTERM.
+    namespace's owner runs one; it is cancelled at SIGTERM. The IPv6 VIPs'
+    guard's fault is IPv6's only (``ProxyHealth`` family faults), as the
+    IPv6 return path's is: IPv4 VIPs still work.
     """
 
     FAULT = "service-vips"
@@ -859,15 +939,19 @@ class VIPGuard:
         self.vips = vips
         self.health = health
         self.period = period
+        self.version = vips.family
+        """4 or 6: the family of the VIPs it guards."""
+        self.family: str | None = "IPv6" if vips.family == 6 else None
 
     async def check(self) -> VIPChanges:
         try:
             changes = await self.vips.ensure_async()
         except Exception as exc:  # cannot vouch for the VIPs: health says so
             why = str(exc) or type(exc).__name__
-            if self.health.faults.get(self.FAULT) != why:
-                log.error("service VIPs broken and not restorable: %s", why)
-            self.health.set_fault(self.FAULT, why)
+            if self.health.fault(self.FAULT, self.family) != why:
+                log.error("IPv%d service VIPs broken and not restorable: %s",
+                          self.version, why)
+            self.health.set_fault(self.FAULT, why, self.family)
             return VIPChanges()
         if changes.added:
             metrics.VIP_REPAIRS.labels(part="route").inc(len(changes.added))
@@ -877,11 +961,11 @@ class VIPGuard:
             metrics.VIP_REPAIRS.labels(part="arp").inc()
         if changes.rules:
             metrics.VIP_REPAIRS.labels(part="rules").inc()
-            log.warning("service VIPs: nft table ip %s was missing (removed outside kpx);"
-                        " restored", self.vips.nft_table)
-        if self.FAULT in self.health.faults:
-            log.info("service VIPs restored; healthy again")
-            self.health.clear_fault(self.FAULT)
+            log.warning("service VIPs: nft table %s %s was missing (removed outside kpx);"
+                        " restored", _ip(self.version), self.vips.nft_table)
+        if self.health.fault(self.FAULT, self.family) is not None:
+            log.info("IPv%d service VIPs restored; healthy again", self.version)
+            self.health.clear_fault(self.FAULT, self.family)
         return changes
 
     async def run(self) -> None:

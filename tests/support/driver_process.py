@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from lab.common import write_atomic
 from proxy.k8s import StateError, parse_state
 from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.vips import LocalVIPs
 from tests.support.wiring import sync_config
 
 
@@ -69,12 +71,15 @@ async def main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     state = Path(args.state)
     status = Path(args.status)
+    # --vips: service VIPs served, each family's by its own dataplane, as kpx node does.
     dp = Dataplane(
         loop=loop,
         transparent=args.transparent,
         connect_timeout=args.connect_timeout,
         max_connections=args.max_connections,
         retry_interval=args.retry_interval,
+        local_vips=LocalVIPs() if args.vips else None,
+        cluster_cidrs=args.cluster_cidr,
     )
     # --ipv6: the IPv6 family's dataplane beside it, as ``kpx node`` runs one per family.
     dp6 = Dataplane(
@@ -84,9 +89,11 @@ async def main(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         retry_interval=args.retry_interval,
         family=6,
+        local_vips=LocalVIPs(family=6) if args.vips else None,
+        cluster_cidrs=args.cluster_cidr,
     ) if args.ipv6 else None
-    proxier = Proxier(sync_config(args.node, args.nodeport_cidrs), dataplane=dp,
-                      dataplane6=dp6)
+    config = dataclasses.replace(sync_config(args.node, args.nodeport_cidrs), vips=args.vips)
+    proxier = Proxier(config, dataplane=dp, dataplane6=dp6)
     extra: dict[str, object] = {"pid": os.getpid()}
     hog: list[int] = []
 
@@ -133,6 +140,10 @@ async def main(args: argparse.Namespace) -> int:
                 proxier.sync(parse_state(text.decode(), generation))
             except StateError as exc:
                 logging.error("state refused: %s", exc)
+            # The status's generation then means its VIPs are in force too.
+            for plane in (dp, dp6):
+                if plane is not None:
+                    await plane.vips_synced()
         if args.hog_fds and generation == 1 and "hogged" not in extra:
             hog_fds()
         write_status(status, dp, extra, dp6)
@@ -161,6 +172,8 @@ def cli() -> int:
     p.add_argument("--status", required=True)
     p.add_argument("--transparent", action="store_true")
     p.add_argument("--ipv6", action="store_true", help="an IPv6 dataplane too (dual-stack)")
+    p.add_argument("--vips", action="store_true", help="serve service VIPs (both families)")
+    p.add_argument("--cluster-cidr", nargs="*", default=[], help="pod CIDRs, both families")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--grace", type=float, default=2.0)
     p.add_argument("--nodeport-cidrs", nargs="*", default=[])
