@@ -301,6 +301,43 @@ def test_a_udp_flow_over_ipv6_is_decided_once_and_stays_on_its_endpoint(kpx: Kpx
     assert flows() == before + 1
 
 
+def test_an_ipv6_udp_flow_to_an_endpoint_that_went_is_deleted_and_decided_again(
+        kpx: Kpx) -> None:
+    """kpx deletes the IPv6 conntrack entry pinned to the endpoint that left (ctnetlink,
+    AF_INET6), and only that one: an IPv4 flow to the same nodePort, whose endpoints did not
+    change, is not judged by the IPv6 endpoints."""
+    topo = kpx.topo
+    s6 = in_netns(topo.client, socket.socket, socket.AF_INET6, socket.SOCK_DGRAM)
+    s4 = in_netns(topo.client, socket.socket, socket.AF_INET, socket.SOCK_DGRAM)
+    with s6, s4:
+        for s, addr in ((s6, NODE6), (s4, T.NODE_IP)):
+            s.settimeout(2)
+            s.connect((addr, DNS))
+
+        def ask(s: socket.socket, what: bytes) -> str:
+            s.send(what)
+            return s.recv(200).decode().split()[0]
+
+        went6, went4 = ask(s6, b"a"), ask(s4, b"a")
+        stays6 = {"pod1": POD2_6, "pod2": POD1_6}[went6]
+        objs = state_objects()
+        for o in objs:
+            if o["metadata"]["name"] == "dns-v6":
+                o["endpoints"] = [e for e in o["endpoints"] if e["addresses"] == [stays6]]
+        in_force = kpx.log.read_text().count("nfqueue rules in force")
+        try:
+            write_state(kpx.workdir / "state.yaml", *objs)
+            wait_until(lambda: "deleted 1 UDP conntrack entry" in kpx.log.read_text(), 10,
+                       0.05, what="the stale IPv6 flow to be deleted")
+            assert ask(s6, b"b") != went6
+            assert ask(s4, b"b") == went4
+            assert "UDP conntrack entries" not in kpx.log.read_text()  # never two
+        finally:
+            write_state(kpx.workdir / "state.yaml", *state_objects())
+            wait_until(lambda: kpx.log.read_text().count("nfqueue rules in force")
+                       >= in_force + 2, 10, 0.05, what="the first state back in force")
+
+
 # -- the rules: ip6tables and the ip6 table, installed once, removed at exit ----------------
 
 def kpx_rules(topo: Topology) -> dict[str, int]:
