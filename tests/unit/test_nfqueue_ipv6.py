@@ -11,6 +11,7 @@ kernel. The dataplane's reader is driven by hand, as in
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import struct
 import sys
@@ -22,7 +23,7 @@ from proxy.core.decision import build_plans
 from proxy.core.sync import SyncConfig, compute_sync
 from proxy.k8s import parse_state
 from proxy.nfqueue import netlink, rules
-from proxy.nfqueue.dataplane import NfqueueDataplane, Tables
+from proxy.nfqueue.dataplane import NfqueueDataplane, Tables, served_for
 from proxy.nfqueue.netlink import NF_ACCEPT, Flow, Packet, Verdict
 from proxy.nfqueue.rules import MarkLayout, QueueConfig, Served
 from tests.support.objects import endpoint, endpoint_slice, node, service, state_yaml
@@ -232,6 +233,24 @@ def test_each_packet_is_decided_by_its_own_familys_plans(dataplane: NfqueueDatap
     q2 = Sent()
     dp._answer(q2, [Packet(9, 0, ip6(TCP, SYN_TCP))], Tables(t4))  # type: ignore[arg-type]
     assert q2.sent == [Verdict(9, NF_ACCEPT, lay.reject)]
+
+
+def test_nodeport_addresses_of_ipv6_narrow_the_ip6_table_to_those_addresses() -> None:
+    snap = parse_state(state_yaml(
+        node("node-a", "10.77.1.1", NODE6, "fd00:99::1"),
+        service(cluster_ip="10.96.0.10", ipFamilyPolicy="PreferDualStack",
+                ipFamilies=["IPv4", "IPv6"], clusterIPs=["10.96.0.10", "fd00:96::10"]),
+        endpoint_slice("web", endpoint("fd00:1::2", "node-a"), address_type="IPv6"),
+    ))
+    every = compute_sync(snap, SyncConfig(node_name="node-a")).ipv6
+    assert every is not None and every.listen_hosts == ("::",)
+    assert served_for(every.plans, every.listen_hosts, {}).ports == {30080}
+    cidrs = (ipaddress.ip_network("fd00:77::/32"), ipaddress.ip_network("10.0.0.0/8"))
+    narrow = compute_sync(snap, SyncConfig(node_name="node-a", nodeport_cidrs=cidrs)).ipv6
+    assert narrow is not None
+    served = served_for(narrow.plans, narrow.listen_hosts, {})
+    assert served.ports == set() and served.pairs == {(NODE6, 30080)}
+    assert "fd00:77:1::1 . 30080" in rules.nft_script(QueueConfig(), served, "xt", 6)
 
 
 def test_an_ipv4_only_node_gives_the_ipv6_table_nothing(dataplane: NfqueueDataplane) -> None:
