@@ -189,3 +189,59 @@ def test_no_local_endpoints_gauge_counts_clusterips_that_drop_for_itp_local() ->
         snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])], generation=2)
     )
     assert sample(DROPPING, traffic_policy="internal") == 0
+
+
+def _dual_state(node_ips: tuple[str, ...], generation: int = 1):  # type: ignore[no-untyped-def]
+    from proxy.k8s import parse_state
+    from tests.support.objects import endpoint_slice, node, service, state_yaml
+
+    return parse_state(state_yaml(
+        node("node-a", *node_ips),
+        service("web", 30080, type="LoadBalancer", etp="Local", hc_port=32000,
+                cluster_ip="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"],
+                ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="PreferDualStack"),
+        endpoint_slice("web", ("10.1.0.1", "node-a"), name="web-4"),
+        endpoint_slice("web", ("fd00:1::1", "node-a"), ("fd00:1::2", "node-a"), name="web-6",
+                       address_type="IPv6"),
+    ), generation)
+
+
+class FakeServices:
+    def __init__(self) -> None:
+        self.hosts: tuple[str, ...] = ()
+        self.counts: tuple[object, object] = ({}, None)
+
+    def sync_services(self, ports: object, hosts: object) -> None:
+        self.hosts = tuple(hosts)  # type: ignore[arg-type]
+
+    def sync_endpoints(self, local_ready: object, local_ready6: object = None) -> None:
+        self.counts = (local_ready, local_ready6)
+
+
+def test_each_family_dataplane_gets_its_own_result_and_healthz_both() -> None:
+    """kube-proxy's MetaProxier: IPv4 and IPv6 dataplanes, one sync, healthz fed both."""
+    four, six, services = Recorder(), Recorder(), FakeServices()
+    health = ProxyHealth(timeout=60)
+    turned: list[bool] = []
+    px = proxier(dataplane=four, dataplane6=six, services=services, health=health,
+                 healthz_ipv6=turned.append)
+    snapshot = _dual_state(("10.0.0.1", "fd00::a"))
+    px.prepare(snapshot)
+    px.sync(snapshot)
+    assert [r.family for r in four.prepared + four.applied] == [4, 4]
+    assert [r.family for r in six.prepared + six.applied] == [6, 6]
+    assert six.applied[0] is six.prepared[0]  # prepared once, off the loop
+    [v6] = six.applied
+    assert v6.listen_hosts == ("::",) and v6.node_ips == ("fd00::a",)
+    assert {e.ip for p in v6.plans.values() for e in p.cluster} == {"fd00:1::1", "fd00:1::2"}
+    assert {e.ip for p in four.applied[0].plans.values() for e in p.cluster} == {"10.1.0.1"}
+    assert services.hosts == ("0.0.0.0", "::")
+    assert services.counts == ({"default/web": 1}, {"default/web": 2})
+    assert health.families == ("IPv4", "IPv6") and turned == [True]
+
+    # The node loses its IPv6 address: the IPv6 dataplane is emptied, healthz told.
+    px.sync(_dual_state(("10.0.0.1",), 2))
+    assert six.applied[-1].family == 6 and six.applied[-1].plans == {}
+    assert six.applied[-1].listen_hosts == ()
+    assert services.hosts == ("0.0.0.0",) and services.counts[1] is None
+    assert health.families == ("IPv4",) and turned == [True, False]
