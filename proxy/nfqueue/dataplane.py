@@ -367,6 +367,9 @@ class NfqueueDataplane:
         """What each family's last stale-UDP cleanup was for (``conntrack.serving``):
         another runs only when it changes, which is when a flow can have gone stale."""
         self._ipv6_warned = False
+        self._latest: dict[int, _Plans] = dict.fromkeys(rules.FAMILIES, _Plans({}, (), {}))
+        """Each family's latest ``apply``: what the next write puts in force."""
+        self._node_ips: dict[int, frozenset[str]] = dict.fromkeys(rules.FAMILIES, frozenset())
         self._balancers: dict[tuple[int, int, str], Balancer] = {}
         self._wanted: _Wanted | None = None
         self._task: asyncio.Task[None] | None = None
@@ -404,23 +407,34 @@ class NfqueueDataplane:
     def apply(self, sync: SyncResult) -> None:
         """Put ``sync`` in force: write the rules for it, then swap the tables (newest wins).
 
-        ``sync`` is the IPv4 family's result; its ``ipv6`` the IPv6 family's,
-        or None on a node without IPv6, whose IPv6 table then serves nothing.
+        Either family's result: the proxier hands this one instance the IPv4
+        result (as ``dataplane``) and the IPv6 one (as ``dataplane6``), as
+        MetaProxier feeds its two proxiers. An IPv4 result also sets the IPv6
+        family from its ``ipv6`` (``empty_result`` when None: the node has no
+        IPv6, so the IPv6 table serves nothing), so a caller that hands over
+        only the IPv4 result serves both; the IPv6 result that follows in the
+        same sync is that same object. Both go in together, by one writer.
         """
         if self._closed:
             return
-        v6 = sync.ipv6 or empty_result(sync.generation, 6)
-        if 6 not in self.families:
-            if (v6.plans or v6.udp_plans) and not self._ipv6_warned:
+        if sync.family == 6:
+            v6, v4 = sync, None
+        else:
+            v6, v4 = sync.ipv6 or empty_result(sync.generation, 6), sync
+        if 6 not in self.families and (v6.plans or v6.udp_plans):
+            if not self._ipv6_warned:
                 self._ipv6_warned = True
                 log.error("nfqueue: the node has IPv6 addresses but this kernel has no IPv6;"
                           " IPv6 services are not served")
             v6 = empty_result(sync.generation, 6)
+        if v4 is not None:
+            self._latest[4] = _Plans(v4.plans, v4.listen_hosts, v4.udp_plans)
+            self._node_ips[4] = frozenset(v4.node_ips)
+        self._latest[6] = _Plans(v6.plans, v6.listen_hosts, v6.udp_plans)
+        self._node_ips[6] = frozenset(v6.node_ips)
         self.generation = sync.generation
-        self.local_addresses = frozenset(sync.node_ips) | frozenset(v6.node_ips)
-        self._wanted = _Wanted(sync.generation,
-                               _Plans(sync.plans, sync.listen_hosts, sync.udp_plans),
-                               _Plans(v6.plans, v6.listen_hosts, v6.udp_plans))
+        self.local_addresses = self._node_ips[4] | self._node_ips[6]
+        self._wanted = _Wanted(self.generation, self._latest[4], self._latest[6])
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._put(), name="nfqueue-rules")
 

@@ -16,6 +16,7 @@ address. Nothing touches the initial namespace.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import select
 import signal
@@ -69,17 +70,9 @@ def add_ipv6(topo: Topology) -> None:
     sh("ip", "netns", "exec", topo.node, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
 
 
-class Server6(backends.Server):
+def start6(name: str) -> backends.Server:
     """The tests' TCP backend, on ``[::]``: it answers both families."""
-
-    address_family = socket.AF_INET6
-
-
-def start6(name: str) -> Server6:
-    srv = Server6(("::", BACKEND), name)
-    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
-                     daemon=True).start()
-    return srv
+    return backends.start("::", BACKEND, name)
 
 
 @dataclass
@@ -336,6 +329,22 @@ def test_an_ipv6_udp_flow_to_an_endpoint_that_went_is_deleted_and_decided_again(
             write_state(kpx.workdir / "state.yaml", *state_objects())
             wait_until(lambda: kpx.log.read_text().count("nfqueue rules in force")
                        >= in_force + 2, 10, 0.05, what="the first state back in force")
+
+
+def test_the_node_healthz_answers_over_ipv6_with_both_families_status(kpx: Kpx) -> None:
+    """nfqueue mode is the node's IPv6 dataplane too: the proxier reports IPv6 and turns the
+    node's /healthz IPv6 socket on."""
+    def get() -> str:
+        with dial6(kpx.topo.client, NODE6, HEALTHZ) as s:
+            s.sendall(b"GET /healthz HTTP/1.0\r\nHost: kpx\r\n\r\n")
+            out = b""
+            while chunk := s.recv(4096):
+                out += chunk
+        return out.decode()
+    reply = get()
+    assert reply.startswith("HTTP/1.0 200") or reply.startswith("HTTP/1.1 200"), reply
+    status = json.loads(reply.split("\r\n\r\n", 1)[1])["status"]
+    assert sorted(status) == ["IPv4", "IPv6"] and all(v["healthy"] for v in status.values())
 
 
 # -- the rules: ip6tables and the ip6 table, installed once, removed at exit ----------------

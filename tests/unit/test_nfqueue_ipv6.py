@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from proxy.core.decision import build_plans
-from proxy.core.sync import SyncConfig, compute_sync
+from proxy.core.sync import SyncConfig, compute_sync, empty_result
 from proxy.k8s import parse_state
 from proxy.nfqueue import netlink, rules
 from proxy.nfqueue.dataplane import NfqueueDataplane, Tables, served_for
@@ -266,3 +266,32 @@ def test_an_ipv4_only_node_gives_the_ipv6_table_nothing(dataplane: NfqueueDatapl
     assert wanted.v6.plans == {} and wanted.v6.hosts == () and wanted.v6.udp_plans == {}
     assert 30080 in wanted.v4.plans
     assert build_plans(snap, "node-a", family=6) == {}
+
+
+def test_each_familys_result_sets_its_own_half_as_the_proxier_fans_them_out(
+        dataplane: NfqueueDataplane) -> None:
+    """Registered as both ``dataplane`` and ``dataplane6``: the IPv4 result (whose ``ipv6``
+    it also reads) and then the IPv6 one; an IPv6 result alone leaves the IPv4 half."""
+    dp = dataplane
+    snap = parse_state(state_yaml(
+        node("node-a", "10.77.1.1", NODE6),
+        service(cluster_ip="10.96.0.10", ipFamilyPolicy="PreferDualStack",
+                ipFamilies=["IPv4", "IPv6"], clusterIPs=["10.96.0.10", "fd00:96::10"]),
+        endpoint_slice("web", endpoint("10.1.0.2", "node-a"), name="web-v4"),
+        endpoint_slice("web", endpoint("fd00:1::2", "node-a"), name="web-v6",
+                       address_type="IPv6"),
+    ))
+    sync = compute_sync(snap, SyncConfig(node_name="node-a"))
+    assert sync.ipv6 is not None
+    dp._task = asyncio.Future(loop=dp.loop)  # no writer started: only the request is looked at
+    dp.apply(sync)
+    dp.apply(sync.ipv6)
+    wanted = dp._wanted
+    assert wanted is not None and wanted.generation == sync.generation
+    assert wanted.v4.plans is sync.plans and wanted.v6.plans is sync.ipv6.plans
+    assert wanted.v6.hosts == ("::",)
+    assert dp.local_addresses == {"10.77.1.1", NODE6}
+    gone = empty_result(sync.generation + 1, 6)
+    dp.apply(gone)
+    assert dp._wanted is not None and dp._wanted.v4.plans is sync.plans
+    assert dp._wanted.v6.plans == {} and dp.local_addresses == {"10.77.1.1"}
