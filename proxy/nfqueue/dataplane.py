@@ -34,9 +34,11 @@ object that one socket binds, and both families' rules (``ip kpx_nfq``,
 instances would fight over it. Inside, everything else is per family, as
 two proxiers' would be: plans and tables (``Tables``), slots and the DNAT
 maps they number, what each nft table holds, the UDP conntrack cleanup,
-and the balancers. ``apply`` takes the IPv4 result and its ``ipv6``
-(``empty_result`` when the node has none: the IPv6 table then serves
-nothing); a queued packet's IP version picks the family's table.
+and the balancers. ``apply`` takes either family's result (the proxier
+hands this one instance both, as its ``dataplane`` and ``dataplane6``); an
+IPv4 result's ``ipv6`` sets the IPv6 half too (``empty_result`` when the
+node has none: the IPv6 table then serves nothing). A queued packet's IP
+version picks the family's table.
 
 Threads: the queue is read by a thread of its own, asleep in ``poll``; the
 event loop keeps the syncs, whose walk over every plan runs in a worker
