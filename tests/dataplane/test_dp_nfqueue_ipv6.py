@@ -265,6 +265,12 @@ def test_ipv6_localhost_is_never_a_nodeport_while_ipv4_localhost_is(kpx: Kpx) ->
     assert said.startswith("pod1 "), said
 
 
+def test_a_node_process_reaching_its_own_ipv6_nodeport_goes_through_output(kpx: Kpx) -> None:
+    """Queued from the output hook, decided as node-originated (masqueraded), DNATed there."""
+    said = peer(kpx.topo.node, NODE6, WEB)
+    assert said.startswith(f"pod1 {NODE6_POD1}:"), said
+
+
 def _metric(name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{METRICS}/metrics", timeout=2) as r:
         text = r.read().decode()
