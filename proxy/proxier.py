@@ -41,7 +41,7 @@ from typing import NamedTuple, Protocol
 from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.core.decision import PlanCache
-from proxy.core.model import Snapshot
+from proxy.core.model import FAMILY_NAMES, Snapshot
 from proxy.core.sync import SyncConfig, SyncResult, compute_sync, empty_result
 from proxy.sources.hub import StateHub
 from proxy.util.prepared import Prepared
@@ -113,6 +113,8 @@ class Proxier:
         self._triggers: Mapping[tuple[str, str], float] = {}
         """Trigger times already observed, by slice: each is observed once."""
         self._warned_no_node = False
+        self._ipv6_synced = False
+        """Whether the last sync programmed IPv6 (its metric series exist)."""
         self.last: SyncResult | None = None
         """The result of the last sync."""
 
@@ -252,13 +254,23 @@ class Proxier:
 
     def _observe(self, result: SyncResult, new_triggers: list[float], elapsed: float) -> None:
         """kube-proxy's sync metrics for this sync."""
-        metrics.SYNC_DURATION.observe(elapsed)
-        metrics.SYNC_LAST_TIMESTAMP.set(self._clock())
+        now = self._clock()
+        families = [result] if result.ipv6 is None else [result, result.ipv6]
+        for family in families:
+            name = FAMILY_NAMES[family.family]
+            metrics.SYNC_DURATION.labels(ip_family=name).observe(elapsed)
+            metrics.SYNC_LAST_TIMESTAMP.labels(ip_family=name).set(now)
+            metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external", ip_family=name).set(
+                family.dropping)
+            metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal", ip_family=name).set(
+                family.dropping_internal)
+        if result.ipv6 is None and self._ipv6_synced:
+            # The node lost IPv6: its gauges say so, rather than freeze at their last values.
+            for policy in ("external", "internal"):
+                metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy=policy, ip_family="IPv6").set(0)
+        self._ipv6_synced = result.ipv6 is not None
         log.log(logging.INFO if elapsed >= SLOW_SYNC else logging.DEBUG,
                 "generation %d applied in %.0f ms", result.generation, elapsed * 1000)
-        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(result.dropping)
-        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(result.dropping_internal)
-        now = self._clock()
         for trigger in new_triggers:
             metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - trigger))
         self._triggers = result.trigger_times
