@@ -69,6 +69,15 @@ def add_ipv6(topo: Topology) -> None:
         sh("ip", "-n", ns, "-6", "route", "add", "default", "via", via)
     sh("ip", "netns", "exec", topo.node, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
 
+    # Ready once no address is tentative (the link-locals' duplicate address detection):
+    # until then the node's neighbour solicitation for a pod went unanswered, and a test's
+    # first SYN waited for its retransmission a second later (or timed out).
+    def settled() -> bool:
+        return not any(sh("ip", "-n", ns, "-6", "addr", "show", "tentative").stdout.strip()
+                       for ns in topo.all)
+
+    wait_until(settled, 10, 0.05, what="IPv6 duplicate address detection to end")
+
 
 def start6(name: str) -> backends.Server:
     """The tests' TCP backend, on ``[::]``: it answers both families."""
