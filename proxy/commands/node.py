@@ -587,9 +587,14 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     dataplane = NfqueueDataplane(loop=loop, queue=args.queue_num, bypass=args.queue_bypass,
                                  cluster_cidrs=args.cluster_cidr, health=hub.health)
     sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
+    # One instance serves both families (one queue, one socket): it is the IPv6
+    # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
     Proxier(sync_config(args), dataplane=dataplane,
+            dataplane6=dataplane if 6 in dataplane.families else None,
             services=sidecar.services if sidecar is not None else None,
-            health=hub.health).attach(hub)
+            health=hub.health,
+            healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
+            ).attach(hub)
     watcher = await start_source(source, args.sync_period)
     if ownership is not None:
         ownership.attach(loop)

@@ -2,8 +2,8 @@
 
 Owns: the sysctls that decide how long conntrack keeps a DNATed connection
 and how many it can hold, ``route_localnet``, and the deletion of UDP
-flows pinned to an endpoint that is gone (``stale_udp``), in the namespace
-kpx runs in.
+flows pinned to an endpoint that is gone (``stale_udp``, each IP family's
+flows against that family's plans), in the namespace kpx runs in.
 
 In nfqueue mode the kernel forwards every established connection through
 the NAT conntrack recorded at its SYN, so conntrack's limits are kpx's:
@@ -41,6 +41,7 @@ import errno
 import logging
 import math
 import os
+import socket
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,12 +208,15 @@ def _stale(entries: Iterable[UdpEntry], wanted: Serving,
     return out
 
 
-def clean_stale_udp(wanted: Serving, local_addresses: Collection[str]) -> int:
-    """Delete the entries ``stale_udp`` names for ``wanted`` (``serving``'s answer) from this
-    namespace's conntrack; returns how many.
+def clean_stale_udp(wanted: Serving, local_addresses: Collection[str], family: int = 4) -> int:
+    """Delete the entries of ``family`` (4 or 6) that ``stale_udp`` names for ``wanted``
+    (``serving``'s answer for that family's plans) from this namespace's conntrack; returns
+    how many.
 
-    Blocking (ctnetlink through pyroute2): run it off the event loop. An
-    entry that expired meanwhile is not an error.
+    Only that family's entries are read: the other family's flows to the
+    same nodePort go to the other family's endpoints, and would all look
+    stale here. Blocking (ctnetlink through pyroute2): run it off the event
+    loop. An entry that expired meanwhile is not an error.
     """
     if wanted == ({}, {}):
         return 0
@@ -221,19 +225,21 @@ def clean_stale_udp(wanted: Serving, local_addresses: Collection[str]) -> int:
     from pyroute2.netlink.exceptions import NetlinkError
     from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-    ct = Conntrack()
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
+    ct = Conntrack(nfgen_family=af)
     try:
         entries = []
-        for raw in ct.dump_entries(tuple_orig=NFCTAttrTuple(proto=UDP)):
+        for raw in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af, proto=UDP)):
             o, r = raw.tuple_orig, raw.tuple_reply
-            if o.proto != UDP or o.saddr is None or r.saddr is None:
+            if o.proto != UDP or o.saddr is None or r.saddr is None or o.family != af:
                 continue
             entries.append(UdpEntry(o.saddr, o.sport, o.daddr, o.dport, r.saddr))
         deleted = 0
         for e in _stale(entries, wanted, local_addresses):
             try:
                 ct.entry("del", tuple_orig=NFCTAttrTuple(
-                    saddr=e.src, daddr=e.dst, proto=UDP, sport=e.sport, dport=e.dport))
+                    family=af, saddr=e.src, daddr=e.dst, proto=UDP, sport=e.sport,
+                    dport=e.dport))
             except NetlinkError as exc:
                 if exc.code != errno.ENOENT:
                     raise OSError(exc.code, f"conntrack delete {e}: {exc}") from exc

@@ -27,6 +27,19 @@ left, so SYNs decided just before still find it. A SYN the table in force
 has no plan for was queued by the table being written (its transaction has
 committed, or nothing would queue that SYN), and that table decides it.
 
+Dual-stack: one instance serves both families, where kube-proxy's
+MetaProxier runs a proxier per family. The queue number is one kernel
+object that one socket binds, and both families' rules (``ip kpx_nfq``,
+``ip6 kpx_nfq``, and the iptables and ip6tables rules) queue to it, so two
+instances would fight over it. Inside, everything else is per family, as
+two proxiers' would be: plans and tables (``Tables``), slots and the DNAT
+maps they number, what each nft table holds, the UDP conntrack cleanup,
+and the balancers. ``apply`` takes either family's result (the proxier
+hands this one instance both, as its ``dataplane`` and ``dataplane6``); an
+IPv4 result's ``ipv6`` sets the IPv6 half too (``empty_result`` when the
+node has none: the IPv6 table then serves nothing). A queued packet's IP
+version picks the family's table.
+
 Threads: the queue is read by a thread of its own, asleep in ``poll``; the
 event loop keeps the syncs, whose walk over every plan runs in a worker
 thread (``proxy.util.background``). So SYNs do not wait for a sync (at tens
@@ -64,7 +77,7 @@ from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.core.balancer import Balancer
 from proxy.core.decision import Drop, Forward, PlanKey, PortPlan, decide
-from proxy.core.sync import SyncResult
+from proxy.core.sync import SyncResult, empty_result
 from proxy.lifecycle.ownership import live_pids
 from proxy.nfqueue import conntrack, netlink, rules
 from proxy.util import spawn
@@ -87,7 +100,7 @@ BIND_RETRY = 0.1
 
 
 class Table(NamedTuple):
-    """What the verdicts read: the plans and target indices in force, together."""
+    """What the verdicts read of one family: the plans and target indices in force, together."""
 
     plans: Mapping[PlanKey, PortPlan]
     served: rules.Served
@@ -95,8 +108,8 @@ class Table(NamedTuple):
     marks: Mapping[tuple[int, PlanKey], Mapping[tuple[str, int], tuple[int, int]]]
     """(protocol, plan's table key) -> endpoint -> its FORWARD marks (without, with
     masquerade): what a verdict sends, made once per sync."""
-    live: frozenset[tuple[int, str]] = frozenset()
-    """(protocol, service port key) of every plan: the balancers worth keeping."""
+    live: frozenset[tuple[int, int, str]] = frozenset()
+    """(family, protocol, service port key) of every plan: the balancers worth keeping."""
     endpoints: int = 0
     """Distinct endpoints the marks name, for the log (counted with the rest, off the loop)."""
 
@@ -106,13 +119,33 @@ class Table(NamedTuple):
         return None if t is None else t.get((dst, dport)) or t.get(dport)
 
 
+EMPTY = Table({}, rules.Served(), {}, {}, frozenset())
+
+
+class Tables(NamedTuple):
+    """Both families' tables, swapped together: a packet's IP version picks one."""
+
+    v4: Table = EMPTY
+    v6: Table = EMPTY
+
+    def of(self, family: int) -> Table:
+        return self.v6 if family == 6 else self.v4
+
+
+class _Plans(NamedTuple):
+    """One family's share of the latest ``apply``."""
+
+    plans: Mapping[PlanKey, PortPlan]
+    hosts: tuple[str, ...]
+    udp_plans: Mapping[PlanKey, PortPlan]
+
+
 class _Wanted(NamedTuple):
     """The latest ``apply``, waiting to be put in force."""
 
     generation: int
-    plans: Mapping[PlanKey, PortPlan]
-    hosts: tuple[str, ...]
-    udp_plans: Mapping[PlanKey, PortPlan]
+    v4: _Plans
+    v6: _Plans
 
 
 _NONE: Mapping[tuple[str, int], tuple[int, int]] = {}
@@ -210,7 +243,7 @@ class Slots:
 def _queued(plans: Mapping[PlanKey, PortPlan], hosts: tuple[str, ...], vips: set[str]
             ) -> tuple[frozenset[int], frozenset[tuple[str, int]]]:
     """One protocol's ``(ports, pairs)``; adds every VIP seen to ``vips``."""
-    wildcard = "0.0.0.0" in hosts
+    wildcard = "0.0.0.0" in hosts or "::" in hosts
     ports: set[int] = set()
     pairs: set[tuple[str, int]] = set()
     for plan in plans.values():
@@ -244,7 +277,8 @@ def served_for(plans: Mapping[PlanKey, PortPlan], listen_hosts: Iterable[str],
     """What the table must queue for ``plans`` and ``udp_plans`` (pure).
 
     A NodePort with endpoints is queued on every local address (``0.0.0.0``
-    in ``listen_hosts``) or on the given ones (``--nodeport-addresses``);
+    or ``::`` in ``listen_hosts``; never ``::1``, which the IPv6 table
+    turns away) or on the given ones (``--nodeport-addresses``);
     a VIP port on its VIP. A port without endpoints is not queued: a TCP
     NodePort then meets no listener (RST), a UDP one the node's own ICMP
     port unreachable, a VIP the table's reject.
@@ -255,6 +289,11 @@ def served_for(plans: Mapping[PlanKey, PortPlan], listen_hosts: Iterable[str],
     udp_ports, udp_pairs = _queued(udp_plans or {}, hosts, vips)
     return rules.Served(ports, pairs, {fe: dict(t) for fe, t in targets.items()},
                         frozenset(vips), udp_ports, udp_pairs)
+
+
+def ipv6_available() -> bool:
+    """Whether this namespace's kernel has IPv6 (not booted with ``ipv6.disable=1``)."""
+    return os.path.isdir("/proc/sys/net/ipv6")
 
 
 def _count(per_port: Mapping[tuple[str, str], int]) -> None:
@@ -298,6 +337,9 @@ class NfqueueDataplane:
         self.cfg = config or rules.QueueConfig(queue=queue, bypass=bypass)
         self.cluster_cidrs = tuple(ipaddress.ip_network(c, strict=False) for c in cluster_cidrs)
         self.local_addresses: frozenset[str] = frozenset()
+        """The node's addresses of both families: "from the node itself" for ``decide``."""
+        self.families: tuple[int, ...] = rules.FAMILIES if ipv6_available() else (4,)
+        """The families whose rules kpx installs: both, unless the kernel has no IPv6."""
         self.synced = asyncio.Event()
         self.generation = -1
         self.generation_in_force = -1
@@ -310,19 +352,27 @@ class NfqueueDataplane:
             health.set_fault(self.FAULT, "nfqueue rules not in force yet")
         self._sock: netlink.QueueSocket | None = None
         self._mechanism: rules.Mechanism | None = None
-        self._slots = Slots(self.cfg.layout.max_index)
-        self._written: rules.Served | None = None
-        """What the table holds, as kpx last wrote it; None: not known, write it whole."""
-        self._whole_at = time.monotonic()
-        """When the whole table was last written (``install`` counts)."""
-        self._table = Table({}, rules.Served(), {}, {}, frozenset())
-        self._pending: Table | None = None
-        """The table being written: what a SYN the current table has no plan for is
+        self._slots = {f: Slots(self.cfg.layout.max_index) for f in rules.FAMILIES}
+        """Each family's own numbering: its nft table has its own DNAT maps."""
+        self._installed: set[int] = set()
+        """The families whose table and rules ``rules.install`` has put in."""
+        self._written: dict[int, rules.Served | None] = {f: None for f in rules.FAMILIES}
+        """What each family's table holds, as kpx last wrote it; None: not known, write it
+        whole."""
+        self._whole_at = {f: time.monotonic() for f in rules.FAMILIES}
+        """When each family's whole table was last written (``install`` counts)."""
+        self._tables = Tables()
+        self._pending: Tables | None = None
+        """The tables being written: what a SYN the current ones have no plan for is
         decided by (see ``_answer``)."""
-        self._udp_serving: object = None
-        """What the last stale-UDP cleanup was for (``conntrack.serving``): another runs
-        only when it changes, which is when a flow can have gone stale."""
-        self._balancers: dict[str, Balancer] = {}
+        self._udp_serving: dict[int, object] = {}
+        """What each family's last stale-UDP cleanup was for (``conntrack.serving``):
+        another runs only when it changes, which is when a flow can have gone stale."""
+        self._ipv6_warned = False
+        self._latest: dict[int, _Plans] = dict.fromkeys(rules.FAMILIES, _Plans({}, (), {}))
+        """Each family's latest ``apply``: what the next write puts in force."""
+        self._node_ips: dict[int, frozenset[str]] = dict.fromkeys(rules.FAMILIES, frozenset())
+        self._balancers: dict[tuple[int, int, str], Balancer] = {}
         self._wanted: _Wanted | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -357,12 +407,36 @@ class NfqueueDataplane:
         """Nothing ahead of time: the table is rendered when it is written."""
 
     def apply(self, sync: SyncResult) -> None:
-        """Put ``sync`` in force: write the rules for it, then swap the table (newest wins)."""
+        """Put ``sync`` in force: write the rules for it, then swap the tables (newest wins).
+
+        Either family's result: the proxier hands this one instance the IPv4
+        result (as ``dataplane``) and the IPv6 one (as ``dataplane6``), as
+        MetaProxier feeds its two proxiers. An IPv4 result also sets the IPv6
+        family from its ``ipv6`` (``empty_result`` when None: the node has no
+        IPv6, so the IPv6 table serves nothing), so a caller that hands over
+        only the IPv4 result serves both; the IPv6 result that follows in the
+        same sync is that same object. Both go in together, by one writer.
+        """
         if self._closed:
             return
+        if sync.family == 6:
+            v6, v4 = sync, None
+        else:
+            v6, v4 = sync.ipv6 or empty_result(sync.generation, 6), sync
+        if 6 not in self.families and (v6.plans or v6.udp_plans):
+            if not self._ipv6_warned:
+                self._ipv6_warned = True
+                log.error("nfqueue: the node has IPv6 addresses but this kernel has no IPv6;"
+                          " IPv6 services are not served")
+            v6 = empty_result(sync.generation, 6)
+        if v4 is not None:
+            self._latest[4] = _Plans(v4.plans, v4.listen_hosts, v4.udp_plans)
+            self._node_ips[4] = frozenset(v4.node_ips)
+        self._latest[6] = _Plans(v6.plans, v6.listen_hosts, v6.udp_plans)
+        self._node_ips[6] = frozenset(v6.node_ips)
         self.generation = sync.generation
-        self.local_addresses = frozenset(sync.node_ips)
-        self._wanted = _Wanted(sync.generation, sync.plans, sync.listen_hosts, sync.udp_plans)
+        self.local_addresses = self._node_ips[4] | self._node_ips[6]
+        self._wanted = _Wanted(self.generation, self._latest[4], self._latest[6])
         if self._task is None or self._task.done():
             self._task = self.loop.create_task(self._put(), name="nfqueue-rules")
 
@@ -372,10 +446,10 @@ class NfqueueDataplane:
             await asyncio.shield(self._task)
 
     async def _put(self) -> None:
-        """Bind the queue (first time), write the table, swap the plans; again if newer."""
+        """Bind the queue (first time), write the tables, swap the plans; again if newer."""
         while self._wanted is not None and not self._closed:
             wanted = self._wanted
-            generation, plans, hosts, udp_plans = wanted
+            generation = wanted.generation
             self._wanted = None
             try:
                 if self._sock is None:
@@ -384,17 +458,15 @@ class NfqueueDataplane:
                 # services this walk takes a good part of a second, which /healthz
                 # must not wait out (the plans are immutable; only this task
                 # touches the slots).
-                pending = await self._off_loop(self._tabulate, plans, hosts, udp_plans)
+                pending = Tables(*[await self._off_loop(self._tabulate, *want, fam)
+                                   for fam, want in ((4, wanted.v4), (6, wanted.v6))])
                 self._pending = pending
-                if self._mechanism is None:
-                    self._mechanism = await self._off_loop(rules.install, self.cfg,
-                                                              pending.served)
-                else:
-                    await self._write(pending.served, self._mechanism)
-                self._written = pending.served
+                for family in self.families:
+                    await self._put_family(family, pending.of(family).served)
             except (OSError, ValueError, RuntimeError) as exc:
                 self._pending = None
-                self._written = None  # unknown now: the next attempt writes the whole table
+                # Unknown now: the next attempt writes the whole tables.
+                self._written = dict.fromkeys(rules.FAMILIES)
                 log.error("nfqueue: generation %d not put in force: %s; the last one stays",
                           generation, exc)
                 if self._health is not None and self.generation_in_force < 0:
@@ -403,20 +475,41 @@ class NfqueueDataplane:
                     self._wanted = wanted
                 await asyncio.sleep(1.0)
                 continue
-            self._table, self._pending = pending, None
-            served = pending.served
+            self._tables, self._pending = pending, None
             self.generation_in_force = generation
             self.synced.set()
             if self._health is not None:
                 self._health.clear_fault(self.FAULT)
+            v4, v6 = pending.v4.served, pending.v6.served
             log.info("nfqueue rules in force (generation %d): %d ports on every address,"
-                     " %d address:port pairs, %d endpoints", generation,
-                     len(served.ports) + len(served.udp_ports),
-                     len(served.pairs) + len(served.udp_pairs), pending.endpoints)
-            await self._clean_udp(udp_plans)
+                     " %d address:port pairs, %d endpoints (IPv6: %d ports, %d pairs,"
+                     " %d endpoints)", generation,
+                     len(v4.ports) + len(v4.udp_ports), len(v4.pairs) + len(v4.udp_pairs),
+                     pending.v4.endpoints, len(v6.ports) + len(v6.udp_ports),
+                     len(v6.pairs) + len(v6.udp_pairs), pending.v6.endpoints)
+            for family in self.families:
+                await self._clean_udp(pending.of(family).udp_plans, family)
 
-    async def _write(self, served: rules.Served, mechanism: rules.Mechanism) -> None:
-        """Make the table hold ``el``: the change since the last write, else the whole table.
+    async def _put_family(self, family: int, served: rules.Served) -> None:
+        """Make ``family``'s table (and, the first time, its queueing rules) serve ``served``.
+
+        The first family installed probes the mechanism; the other installs
+        with it. A family whose install failed is installed again next time.
+        """
+        if family not in self._installed:
+            self._mechanism = await self._off_loop(rules.install, self.cfg, served,
+                                                   self._mechanism, family)
+            self._installed.add(family)
+            self._whole_at[family] = time.monotonic()
+        else:
+            assert self._mechanism is not None
+            await self._write(served, self._mechanism, family)
+        self._written[family] = served
+
+    async def _write(self, served: rules.Served, mechanism: rules.Mechanism,
+                     family: int = 4) -> None:
+        """Make ``family``'s table hold ``served``: the change since the last write, else the
+        whole table.
 
         The change is a few elements per endpoint that moved, where the whole
         table is every service's; it is refused as a whole if the table is not
@@ -425,23 +518,24 @@ class NfqueueDataplane:
         ``FULL_SYNC_PERIOD`` anyway.
         """
         table = self.cfg.table
-        if time.monotonic() - self._whole_at >= FULL_SYNC_PERIOD:
-            self._written = None  # re-check: whatever was changed by hand goes
-        if self._written is not None:
-            delta = await self._off_loop(rules.update_script, table, self._written, served,
-                                            self.cfg.layout)
+        if time.monotonic() - self._whole_at[family] >= FULL_SYNC_PERIOD:
+            self._written[family] = None  # re-check: whatever was changed by hand goes
+        written = self._written[family]
+        if written is not None:
+            delta = await self._off_loop(rules.update_script, table, written, served,
+                                         self.cfg.layout, family)
             if not delta:
                 return
             res = await spawn.run(["nft", "-f", "-"], delta)
             if res.returncode == 0:
                 return
-            log.warning("nfqueue: table %s is not as kpx left it (%s); writing it whole",
-                        table, res.stderr.strip() or res.returncode)
-        script = await self._off_loop(rules.nft_script, self.cfg, served, mechanism)
+            log.warning("nfqueue: table %s (IPv%d) is not as kpx left it (%s); writing it"
+                        " whole", table, family, res.stderr.strip() or res.returncode)
+        script = await self._off_loop(rules.nft_script, self.cfg, served, mechanism, family)
         res = await spawn.run(["nft", "-f", "-"], script)
         if res.returncode != 0:
-            raise RuntimeError(f"nft -f: {res.stderr.strip() or res.returncode}")
-        self._whole_at = time.monotonic()
+            raise RuntimeError(f"nft -f (IPv{family}): {res.stderr.strip() or res.returncode}")
+        self._whole_at[family] = time.monotonic()
 
     async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)`` in the sync's worker thread, the loop first for the GIL meanwhile."""
@@ -451,17 +545,19 @@ class NfqueueDataplane:
             return await self.loop.run_in_executor(self._worker, fn, *args)
 
     def _tabulate(self, plans: Mapping[PlanKey, PortPlan], hosts: tuple[str, ...],
-                  udp_plans: Mapping[PlanKey, PortPlan]) -> Table:
-        """Slots for every endpoint, and the table that writing them puts in force."""
-        targets = self._slots.assign(_endpoints(plans, udp_plans))
-        live = frozenset({*((TCP, p.key) for p in plans.values()),
-                          *((UDP, p.key) for p in udp_plans.values())})
-        marks = self._marks(plans, udp_plans)
+                  udp_plans: Mapping[PlanKey, PortPlan], family: int = 4) -> Table:
+        """Slots for every endpoint of ``family``, and the table that writing them puts in
+        force."""
+        slots = self._slots[family]
+        targets = slots.assign(_endpoints(plans, udp_plans))
+        live = frozenset({*((family, TCP, p.key) for p in plans.values()),
+                          *((family, UDP, p.key) for p in udp_plans.values())})
+        marks = self._marks(plans, udp_plans, slots)
         return Table(plans, served_for(plans, hosts, targets, udp_plans), udp_plans, marks, live,
                      len({ep for fe in marks.values() for ep in fe}))
 
-    def _marks(self, plans: Mapping[PlanKey, PortPlan], udp_plans: Mapping[PlanKey, PortPlan]
-               ) -> dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]]:
+    def _marks(self, plans: Mapping[PlanKey, PortPlan], udp_plans: Mapping[PlanKey, PortPlan],
+               slots: Slots) -> dict[tuple[int, PlanKey], dict[tuple[str, int], tuple[int, int]]]:
         lay = self.cfg.layout
         # Slots are small numbers that every frontend reuses: each one's pair of
         # marks is worked out once, not twice per endpoint of every plan.
@@ -477,25 +573,26 @@ class NfqueueDataplane:
         for num, name, table in ((TCP, "tcp", plans), (UDP, "udp", udp_plans)):
             for key, plan in table.items():
                 out[(num, key)] = {ep: both(i)
-                                   for ep, i in self._slots.index(frontend(plan, name)).items()}
+                                   for ep, i in slots.index(frontend(plan, name)).items()}
         return out
 
-    async def _clean_udp(self, udp_plans: Mapping[PlanKey, PortPlan]) -> None:
-        """Delete the UDP flows conntrack still pins to an endpoint no longer served.
+    async def _clean_udp(self, udp_plans: Mapping[PlanKey, PortPlan], family: int = 4) -> None:
+        """Delete the UDP flows of ``family`` conntrack still pins to an endpoint no longer
+        served.
 
         After the table is in force, so a flow deleted here is decided again
         by the new plans. A failure is logged and retried at the next change.
         """
         wanted = conntrack.serving(udp_plans)
-        if wanted == self._udp_serving:
+        if wanted == self._udp_serving.get(family):
             return
         local = self.local_addresses
         try:
-            n = await self._off_loop(conntrack.clean_stale_udp, wanted, local)
+            n = await self._off_loop(conntrack.clean_stale_udp, wanted, local, family)
         except OSError as exc:
-            log.error("nfqueue: stale UDP conntrack entries not deleted: %s", exc)
+            log.error("nfqueue: stale UDP conntrack entries (IPv%d) not deleted: %s", family, exc)
             return
-        self._udp_serving = wanted
+        self._udp_serving[family] = wanted
         if n:
             metrics.UDP_FLOWS_REPICKED.inc(n)
             log.info("nfqueue: deleted %d UDP conntrack entr%s pinned to an endpoint no longer"
@@ -541,7 +638,7 @@ class NfqueueDataplane:
         poller.register(sock.fileno(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         flushed = time.monotonic()
-        table: Table | None = None
+        tables: Tables | None = None
         while not self._stop_reading:
             poller.poll(METRICS_FLUSH_INTERVAL * 1000 if self._counts else None)
             if self._stop_reading:
@@ -553,12 +650,13 @@ class NfqueueDataplane:
                                    self.cfg.queue, exc)
                 time.sleep(0.1)
                 continue
-            if self._table is not table:
-                table = self._table
-                self._balancers = {k: b for k, b in self._balancers.items() if k in table.live}
+            if self._tables is not tables:
+                tables = self._tables
+                live = tables.v4.live | tables.v6.live
+                self._balancers = {k: b for k, b in self._balancers.items() if k in live}
             if packets:
                 try:
-                    self._answer(sock, packets, table)
+                    self._answer(sock, packets, tables)
                 except Exception:
                     # A bug must not end the thread: every later SYN would wait in
                     # the kernel unanswered. This batch's packets are dropped (their
@@ -575,14 +673,16 @@ class NfqueueDataplane:
         self.flush_metrics()
 
     def _answer(self, sock: netlink.QueueSocket, packets: list[netlink.Packet],
-                table: Table) -> None:
-        """Decide ``packets`` by ``table`` (the one in force) and send the verdicts at once.
+                tables: Tables) -> None:
+        """Decide ``packets`` by ``tables`` (the ones in force) and send the verdicts at once.
 
-        A packet ``table`` has no plan for was queued by the rules of the table
-        being written (``_pending``): ``nft`` has committed that transaction,
-        or the packet would not have been queued, so its slots are in the
-        kernel and its plans decide the packet. Without this, a new port's
-        first SYNs were refused in the moment between the commit and the swap.
+        Each packet by its own family's table: its IP version says which. A
+        packet that table has no plan for was queued by the rules of the
+        table being written (``_pending``): ``nft`` has committed that
+        transaction, or the packet would not have been queued, so its slots
+        are in the kernel and its plans decide the packet. Without this, a
+        new port's first SYNs were refused in the moment between the commit
+        and the swap.
         """
         lay = self.cfg.layout
         keep = ~lay.mask & 0xFFFFFFFF  # the packet's own bits, kept by every verdict
@@ -598,17 +698,17 @@ class NfqueueDataplane:
                 verdicts.append(netlink.drop(p.packet_id))
                 counts["unknown"] += 1
                 continue
-            by = table
-            plan = table.plan(f.proto, f.dst, f.dport)
+            by = tables.v6 if f.family == 6 else tables.v4
+            plan = by.plan(f.proto, f.dst, f.dport)
             if plan is None and (pending := self._pending) is not None:
-                by = pending
-                plan = pending.plan(f.proto, f.dst, f.dport)
+                by = pending.v6 if f.family == 6 else pending.v4
+                plan = by.plan(f.proto, f.dst, f.dport)
             if plan is None:
                 # Served by neither table (the port went since it was queued).
                 verdicts.append(netlink.accept(p.packet_id, lay.verdict_mark(p.mark, lay.reject)))
                 counts["unknown"] += 1
                 continue
-            bkey = (f.proto, plan.key)
+            bkey = (f.family, f.proto, plan.key)
             balancer = self._balancers.get(bkey)
             if balancer is None:
                 balancer = self._balancers[bkey] = Balancer()
@@ -692,8 +792,8 @@ class NfqueueDataplane:
             log.info("nfqueue: another kpx is present; its rules stay")
             return
         try:
-            removed = rules.remove(self.cfg)
+            removed = rules.remove(self.cfg, self.families)
         except (OSError, RuntimeError) as exc:
             log.error("nfqueue: could not remove the rules: %s", exc)
             return
-        log.info("nfqueue: rules removed (%d iptables rule(s))", removed)
+        log.info("nfqueue: rules removed (%d iptables/ip6tables rule(s))", removed)

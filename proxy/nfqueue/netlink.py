@@ -4,7 +4,9 @@ Owns: the bytes of the ``nfnetlink_queue`` protocol (``linux/netfilter/
 nfnetlink_queue.h``) that kpx needs, as pure functions over buffers: CONFIG
 requests (bind a queue, copy range and mode, queue length, flags), the
 parsing of a received buffer into queued packets and netlink acks, the
-addresses and ports of an IPv4 packet's first bytes, and VERDICT messages,
+addresses and ports of an IPv4 or IPv6 packet's first bytes (an IPv6
+packet's extension headers walked to the transport header), and VERDICT
+messages,
 many of which go to the kernel as one datagram. ``QueueSocket`` is the thin
 shell around them: one netlink socket bound to one queue number.
 
@@ -85,6 +87,8 @@ NFQA_CFG_MASK = 4
 NFQA_CFG_FLAGS = 5
 NFQNL_CFG_CMD_BIND = 1
 NFQNL_CFG_CMD_UNBIND = 2
+NFQNL_CFG_CMD_PF_BIND = 3
+NFQNL_CFG_CMD_PF_UNBIND = 4
 NFQNL_COPY_META = 1
 NFQNL_COPY_PACKET = 2
 NFQA_CFG_F_FAIL_OPEN = 0x1
@@ -146,12 +150,27 @@ def config_bind(queue: int, seq: int = 0, family: int = socket.AF_INET) -> bytes
     The kernel refuses with EPERM if another socket has the queue, EBUSY if
     this one has it already. There is no unbinding someone else's queue: the
     kernel frees a queue when its socket closes, however its process ended.
-    (``NFQNL_CFG_CMD_PF_BIND``/``PF_UNBIND``, which old examples send first,
-    have been no-ops since Linux 3.8.)
+    (``NFQNL_CFG_CMD_PF_BIND``, ``config_pf_bind``, is a no-op since Linux
+    3.8; ``QueueSocket`` still sends it for both families first.)
     """
     return message(NFQNL_MSG_CONFIG, queue,
                    attr(NFQA_CFG_CMD, struct.pack("!BBH", NFQNL_CFG_CMD_BIND, 0, family)),
                    flags=NLM_F_REQUEST | NLM_F_ACK, seq=seq, family=socket.AF_UNSPEC)
+
+
+def config_pf_bind(family: int, seq: int = 0) -> bytes:
+    """CONFIG CMD PF_BIND: have the kernel queue packets of ``family`` to nfnetlink_queue.
+
+    One socket bound to a queue receives every family queued to that number
+    (an ``iptables`` and an ``ip6tables`` rule may both name it). Since
+    Linux 3.8 this command is acknowledged and does nothing (the handler is
+    registered for every family); before, IPv6 packets were not queued
+    without it. kpx sends it for AF_INET and AF_INET6 ahead of the bind, as
+    libnetfilter_queue's users do, so neither kind of kernel loses a family.
+    """
+    return message(NFQNL_MSG_CONFIG, 0,
+                   attr(NFQA_CFG_CMD, struct.pack("!BBH", NFQNL_CFG_CMD_PF_BIND, 0, family)),
+                   flags=NLM_F_REQUEST | NLM_F_ACK, seq=seq, family=family)
 
 
 def config_unbind(queue: int, seq: int = 0) -> bytes:
@@ -328,27 +347,52 @@ def _packet(view: memoryview, start: int, end: int) -> Packet:
 
 
 class Flow(NamedTuple):
-    """What a decision needs of a packet: IPv4 addresses, protocol, ports (0 if none)."""
+    """What a decision needs of a packet: addresses (IPv4 or IPv6 text), protocol, ports
+    (0 if none), and the IP version (4 or 6), which picks the family's plans."""
 
     src: str
     dst: str
     proto: int
     sport: int
     dport: int
+    family: int = 4
 
 
 _IPV4 = struct.Struct("!B8xB2x4s4s")
 """Version and IHL; (TOS, length, id, fragment, TTL); protocol; (checksum); source; destination."""
+_IPV6 = struct.Struct("!B5xB1x16s16s")
+"""Version (and traffic class); (the rest of it, flow label, payload length); next header;
+(hop limit); source; destination: the fixed 40-byte header."""
 _PORTS = struct.Struct("!HH")
+_WITH_PORTS = (socket.IPPROTO_TCP, socket.IPPROTO_UDP, socket.IPPROTO_SCTP)
+
+# IPv6 extension headers (RFC 8200 4.1, RFC 7045): the ones a transport header may follow.
+_EXT_LEN8 = frozenset({0, 43, 60, 135, 139, 140})
+"""Hop-by-Hop, Routing, Destination Options, Mobility, HIP, Shim6: next header, then
+their length in 8-octet units not counting the first 8."""
+_EXT_FRAGMENT = 44
+_EXT_AH = 51
+"""Authentication Header: its length is in 4-octet units, minus 2."""
+_EXTENSIONS = _EXT_LEN8 | {_EXT_FRAGMENT, _EXT_AH}
+MAX_EXTENSION_HEADERS = 8
+"""More than this in one packet is refused: no legitimate SYN carries that many, and a
+chain of them is a cheap way to make every queued packet expensive to read."""
 
 
 def flow(payload: bytes | bytearray | memoryview) -> Flow:
-    """The IPv4 addresses, protocol and (TCP, UDP, SCTP) ports of a packet's first bytes.
+    """The addresses, protocol and (TCP, UDP, SCTP) ports of an IPv4 or IPv6 packet's first
+    bytes; ValueError when they cannot be read there (the caller drops the packet).
 
-    ValueError if it is not IPv4 or too short for its own header (and the
-    ports, for a protocol that has them): a queue's copy range of 80 bytes
-    always holds them (IPv4 header at most 60, ports the next 4).
+    IPv4: too short for its own header (and the ports, for a protocol that
+    has them) is refused; a queue's copy range (``DEFAULT_COPY_RANGE``)
+    always holds them (IPv4 header at most 60, ports the next 4). IPv6:
+    ``flow6``.
     """
+    if not payload:
+        raise ValueError("IP: an empty packet")
+    version = payload[0] >> 4
+    if version == 6:
+        return flow6(payload)
     if len(payload) < 20:
         raise ValueError(f"IPv4: {len(payload)} bytes, less than a header")
     vihl, proto, src, dst = _IPV4.unpack_from(payload)
@@ -358,17 +402,69 @@ def flow(payload: bytes | bytearray | memoryview) -> Flow:
     if ihl < 20:
         raise ValueError(f"IPv4: header length {ihl}")
     sport = dport = 0
-    if proto in (socket.IPPROTO_TCP, socket.IPPROTO_UDP, socket.IPPROTO_SCTP):
+    if proto in _WITH_PORTS:
         if len(payload) < ihl + 4:
             raise ValueError(f"IPv4: {len(payload)} bytes, the ports end at {ihl + 4}")
         sport, dport = _PORTS.unpack_from(payload, ihl)
     return Flow(socket.inet_ntoa(src), socket.inet_ntoa(dst), proto, sport, dport)
 
 
+def flow6(payload: bytes | bytearray | memoryview) -> Flow:
+    """An IPv6 packet's addresses, upper-layer protocol and ports (pure).
+
+    The fixed header, then the extension headers a transport header may
+    follow, walked by their own length fields: Hop-by-Hop, Routing,
+    Destination Options, Mobility, HIP, Shim6 and AH. A packet the walk
+    cannot finish safely is refused (ValueError), never guessed at: a
+    header cut off by the copy range, more than ``MAX_EXTENSION_HEADERS``,
+    a non-first fragment (it has no ports; conntrack reassembles before
+    the queue anyway, so one never arrives here). ESP and "no next header"
+    end the walk with that protocol and no ports: no plan serves them.
+    Addresses are RFC 5952 text (``inet_ntop``), as the model spells them.
+    """
+    n = len(payload)
+    if n < 40:
+        raise ValueError(f"IPv6: {n} bytes, less than a header")
+    ver, nxt, src, dst = _IPV6.unpack_from(payload)
+    if ver >> 4 != 6:
+        raise ValueError(f"IPv6: version {ver >> 4}")
+    off = 40
+    for _ in range(MAX_EXTENSION_HEADERS + 1):
+        if nxt in _WITH_PORTS:
+            if n < off + 4:
+                raise ValueError(f"IPv6: {n} bytes, the ports end at {off + 4}")
+            sport, dport = _PORTS.unpack_from(payload, off)
+            break
+        if nxt in _EXTENSIONS:
+            if n < off + 8:
+                raise ValueError(f"IPv6: extension header {nxt} at {off} is cut off at {n}")
+            if nxt == _EXT_FRAGMENT:
+                # Fragment offset (13 bits) and M flag: only an unfragmented or first
+                # fragment carries the transport header.
+                if (payload[off + 2] << 8 | payload[off + 3]) & 0xFFF8:
+                    raise ValueError("IPv6: a non-first fragment has no ports")
+                size = 8
+            elif nxt == _EXT_AH:
+                size = (payload[off + 1] + 2) * 4
+            else:
+                size = (payload[off + 1] + 1) * 8
+            nxt = payload[off]
+            off += size
+            continue
+        sport = dport = 0  # ESP, ICMPv6, No Next Header, ...: no ports to read
+        break
+    else:
+        raise ValueError(f"IPv6: more than {MAX_EXTENSION_HEADERS} extension headers")
+    return Flow(socket.inet_ntop(socket.AF_INET6, src), socket.inet_ntop(socket.AF_INET6, dst),
+                nxt, sport, dport, 6)
+
+
 # -- the socket ---------------------------------------------------------------------------
 
-DEFAULT_COPY_RANGE = 80
-"""IPv4 header (20-60 bytes) plus the start of the TCP header (ports at +0, flags at +13)."""
+DEFAULT_COPY_RANGE = 128
+"""Room for the ports behind an IPv4 header (20-60 bytes), and behind an IPv6 header (40)
+with a few extension headers (``flow6``). A SYN is shorter (at most 60 bytes over IPv4,
+80 over IPv6), so only a UDP datagram is copied up to this."""
 DEFAULT_MAXLEN = 4096
 DEFAULT_RCVBUF = 8 << 20
 """Room for about 20,000 queued SYNs while the loop is busy elsewhere, before the
@@ -419,6 +515,9 @@ class QueueSocket:
             self._set_rcvbuf(rcvbuf)
             self._sock.setblocking(False)
             deadline = time.monotonic() + timeout
+            for family in (socket.AF_INET, socket.AF_INET6):
+                self._config(f"family {family} bind", config_pf_bind(family, self._next_seq()),
+                             deadline)
             self._config("bind", config_bind(queue, self._next_seq()), deadline)
             self._config(f"copy range {copy_range}",
                          config_params(queue, copy_range, self._next_seq()), deadline)

@@ -1,11 +1,21 @@
 """The netfilter side of ``--proxy-mode nfqueue``: which SYNs are queued, what a mark does.
 
-Owns: in the namespace kpx runs in, the nft table ``ip kpx_nfq`` and, on a
-kernel without nft's ``queue`` expression, two iptables rules (mangle
-PREROUTING and OUTPUT, comment ``kpx-nfqueue``). Pure functions render
-them (``nft_script``, ``iptables_rules``) and say what a mark means
+Owns: in the namespace kpx runs in, the nft tables ``ip kpx_nfq`` (IPv4)
+and ``ip6 kpx_nfq`` (IPv6) and, on a kernel without nft's ``queue``
+expression, two iptables and two ip6tables rules (mangle PREROUTING and
+OUTPUT, comment ``kpx-nfqueue``). Pure functions render them
+(``nft_script``, ``iptables_rules``) and say what a mark means
 (``MarkLayout``); ``install``, ``remove`` and ``nft_queue_supported`` run
-``nft``/``iptables`` with ``subprocess`` (blocking: start and exit only).
+``nft``/``iptables``/``ip6tables`` with ``subprocess`` (blocking: start and
+exit only).
+
+Each family is its own table, as kube-proxy's ``ip kube-proxy`` and ``ip6
+kube-proxy`` are: the same chains over ``ip6 daddr``, ``ipv6_addr`` sets
+and maps, ``dnat ip6 to``, and ICMPv6 for a refused UDP flow. Both queue to
+the one queue number, which one socket reads (``netlink.QueueSocket``).
+IPv6 never queues a NodePort SYN to ``::1`` (``ip6 daddr ::1 return``):
+iptables mode has no IPv6 localhost NodePorts, there being no
+``route_localnet`` to let a DNATed ``::1`` packet leave the node.
 
 Never: touch another namespace, or a rule or table that is not kpx's (the
 table is kpx's by name; an iptables rule by its comment); decide anything
@@ -233,11 +243,51 @@ def _port(p: int) -> str:
     return str(p)
 
 
-def _ipv4(a: str) -> str:
+Family = Literal[4, 6]
+FAMILIES: tuple[Family, ...] = (4, 6)
+
+
+@dataclass(frozen=True, slots=True)
+class _Nft:
+    """What differs between the two families' tables: names and address types."""
+
+    family: str
+    """nft's table family: ``ip`` or ``ip6``."""
+    addr: str
+    """nft's address type: ``ipv4_addr`` or ``ipv6_addr``."""
+    daddr: str
+    """The destination address expression: ``ip daddr`` or ``ip6 daddr``."""
+    unreachable: str
+    """How a refused UDP flow is answered."""
+    af: int
+    name: str
+
+
+_NFT: dict[int, _Nft] = {
+    4: _Nft("ip", "ipv4_addr", "ip daddr", "icmp type port-unreachable", socket.AF_INET, "IPv4"),
+    6: _Nft("ip6", "ipv6_addr", "ip6 daddr", "icmpv6 type port-unreachable", socket.AF_INET6,
+            "IPv6"),
+}
+
+
+def _nft_family(family: int) -> _Nft:
     try:
-        return socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, a))
+        return _NFT[family]
+    except KeyError:
+        raise ValueError(f"IP family {family!r}: 4 or 6") from None
+
+
+def _address(a: str, family: int = 4) -> str:
+    """``a`` in its canonical text for ``family``; ValueError naming it otherwise."""
+    f = _nft_family(family)
+    try:
+        return socket.inet_ntop(f.af, socket.inet_pton(f.af, a))
     except (OSError, TypeError):
-        raise ValueError(f"{a!r}: not an IPv4 address") from None
+        raise ValueError(f"{a!r}: not an {f.name} address") from None
+
+
+def _ipv4(a: str) -> str:
+    return _address(a, 4)
 
 
 def _elements(items: Iterable[str]) -> str:
@@ -261,8 +311,8 @@ class Elements(NamedTuple):
     maps: dict[str, dict[str, str]]
 
 
-def _pair(a: str, p: int) -> str:
-    return f"{_ipv4(a)} . {_port(p)}"
+def _pair(a: str, p: int, family: int = 4) -> str:
+    return f"{_address(a, family)} . {_port(p)}"
 
 
 def _sets(served: Served) -> dict[str, frozenset[int] | frozenset[Endpoint] | frozenset[str]]:
@@ -270,38 +320,42 @@ def _sets(served: Served) -> dict[str, frozenset[int] | frozenset[Endpoint] | fr
             "udp_pairs": served.udp_pairs, "vips": served.vips}
 
 
-def _set_element(name: str, item: int | Endpoint | str) -> str:
+def _set_element(name: str, item: int | Endpoint | str, family: int = 4) -> str:
     if name in ("ports", "udp_ports"):
         return _port(item)  # type: ignore[arg-type]
     if name == "vips":
-        return _ipv4(item)  # type: ignore[arg-type]
+        return _address(item, family)  # type: ignore[arg-type]
     a, p = item  # type: ignore[misc]
-    return _pair(a, p)
+    return _pair(a, p, family)
 
 
-def _target_key(fe: Frontend, slot: int, layout: MarkLayout) -> tuple[str, str]:
+def _target_key(fe: Frontend, slot: int, layout: MarkLayout, family: int = 4
+                ) -> tuple[str, str]:
     """``(map name, key text)`` of ``slot`` at frontend ``fe``."""
     vip, proto, port = fe
     if proto not in ("tcp", "udp"):
         raise ValueError(f"frontend protocol {proto!r}: tcp or udp")
     if vip is None:
         return "np_targets", f"{layout.key(slot):#010x} . {proto} . {_port(port)}"
-    return "vip_targets", f"{layout.key(slot):#010x} . {_ipv4(vip)} . {proto} . {_port(port)}"
+    return ("vip_targets",
+            f"{layout.key(slot):#010x} . {_address(vip, family)} . {proto} . {_port(port)}")
 
 
-def elements(served: Served, layout: MarkLayout) -> Elements:
-    """Render ``served``'s elements (pure); ValueError for a bad port, address, slot or protocol."""
-    sets = {name: frozenset(_set_element(name, x) for x in items)
+def elements(served: Served, layout: MarkLayout, family: int = 4) -> Elements:
+    """Render ``served``'s elements (pure); ValueError for a bad port, address (of another
+    family, too), slot or protocol."""
+    sets = {name: frozenset(_set_element(name, x, family) for x in items)
             for name, items in _sets(served).items()}
     maps: dict[str, dict[str, str]] = {"np_targets": {}, "vip_targets": {}}
     for fe, slots in served.targets.items():
         for i, (a, p) in slots.items():
-            name, key = _target_key(fe, i, layout)
-            maps[name][key] = _pair(a, p)
+            name, key = _target_key(fe, i, layout, family)
+            maps[name][key] = _pair(a, p, family)
     return Elements(sets, maps)
 
 
-def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> str:
+def update_script(table: str, old: Served, new: Served, layout: MarkLayout,
+                  family: int = 4) -> str:
     """The one transaction that turns table ``table`` from ``old`` into ``new``; "" if equal.
 
     Deletions first: a map key whose endpoint changed is deleted and added
@@ -320,8 +374,8 @@ def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> s
         o, n = olds[name], news[name]
         if o == n:
             continue
-        gone = [_set_element(name, x) for x in o - n]  # type: ignore[operator]
-        came = [_set_element(name, x) for x in n - o]  # type: ignore[operator]
+        gone = [_set_element(name, x, family) for x in o - n]  # type: ignore[operator]
+        came = [_set_element(name, x, family) for x in n - o]  # type: ignore[operator]
         if gone:
             dels[name] = gone
         if came:
@@ -332,24 +386,26 @@ def update_script(table: str, old: Served, new: Served, layout: MarkLayout) -> s
             continue
         for i, ep in o_slots.items():
             if n_slots.get(i) != ep:
-                name, key = _target_key(fe, i, layout)
+                name, key = _target_key(fe, i, layout, family)
                 dels.setdefault(name, []).append(key)
         for i, ep in n_slots.items():
             if o_slots.get(i) != ep:
-                name, key = _target_key(fe, i, layout)
-                adds.setdefault(name, []).append(f"{key} : {_pair(*ep)}")
+                name, key = _target_key(fe, i, layout, family)
+                adds.setdefault(name, []).append(f"{key} : {_pair(*ep, family)}")
     # Unsorted: nft takes elements in any order, and sorting the hundreds of
     # thousands of a big change is a C call that holds the GIL throughout,
     # while the queue's reader waits with a SYN to decide.
-    out = [f"delete element ip {table} {name} {{ {', '.join(items)} }}\n"
+    fam = _nft_family(family).family
+    out = [f"delete element {fam} {table} {name} {{ {', '.join(items)} }}\n"
            for name, items in dels.items()]
-    out += [f"add element ip {table} {name} {{ {', '.join(items)} }}\n"
+    out += [f"add element {fam} {table} {name} {{ {', '.join(items)} }}\n"
             for name, items in adds.items()]
     return "".join(out)
 
 
-def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") -> str:
-    """The nft transaction that makes table ``cfg.table`` exactly this, atomically.
+def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
+               family: int = 4) -> str:
+    """The nft transaction that makes ``family``'s table ``cfg.table`` exactly this, atomically.
 
     Declaring then deleting the table first makes a leftover (a killed kpx,
     an older set) vanish in the same transaction that writes the new one:
@@ -357,7 +413,8 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") ->
     port, address or slot, before anything runs.
     """
     lay = cfg.layout
-    el = elements(served, lay)
+    f = _nft_family(family)
+    el = elements(served, lay, family)
     ports, pairs, udp_ports, udp_pairs, vips = (_elements(sorted(el.sets[n])) for n in SETS)
     np_targets, vip_targets = (_elements(f"{k} : {v}" for k, v in sorted(el.maps[n].items()))
                                for n in MAPS)
@@ -369,6 +426,8 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") ->
         # Most packets leave at the first or second line: a TCP segment that
         # is not a bare SYN, a datagram of a flow conntrack already knows.
         stay = then if mechanism == "nft" else ""
+        # IPv6 localhost is never a NodePort (see the module's docstring).
+        loopback = "    ip6 daddr ::1 return\n" if family == 6 else ""
         return (
             f"  chain mark_{hook} {{\n"
             f"    type filter hook {hook} priority mangle - 1; policy accept;\n"
@@ -376,14 +435,15 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") ->
             f"    meta l4proto udp ct state != new return\n"
             f"    meta mark & {q:#x} == {q:#x} meta mark set meta mark & {~q & 0xFFFFFFFF:#x}\n"
             f"    ct status dnat return\n"
+            f"{loopback}"
             f"    tcp dport @ports fib daddr type local {mark}{then}\n"
-            f"    ip daddr . tcp dport @pairs {mark}{stay}\n"
+            f"    {f.daddr} . tcp dport @pairs {mark}{stay}\n"
             f"    udp dport @udp_ports fib daddr type local {mark}{then}\n"
-            f"    ip daddr . udp dport @udp_pairs {mark}{stay}\n"
-            f"    meta mark & {q:#x} != {q:#x} ip daddr @vips meta l4proto tcp"
+            f"    {f.daddr} . udp dport @udp_pairs {mark}{stay}\n"
+            f"    meta mark & {q:#x} != {q:#x} {f.daddr} @vips meta l4proto tcp"
             f" reject with tcp reset\n"
-            f"    meta mark & {q:#x} != {q:#x} ip daddr @vips meta l4proto udp"
-            f" reject with icmp type port-unreachable\n"
+            f"    meta mark & {q:#x} != {q:#x} {f.daddr} @vips meta l4proto udp"
+            f" reject with {f.unreachable}\n"
             f"  }}\n"
         )
 
@@ -394,7 +454,7 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") ->
             f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto tcp"
             f" reject with tcp reset\n"
             f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto udp"
-            f" reject with icmp type port-unreachable\n"
+            f" reject with {f.unreachable}\n"
             f"  }}\n"
         )
 
@@ -404,28 +464,29 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") ->
             f"  chain dnat_{hook} {{\n"
             f"    type nat hook {hook} priority -100; policy accept;\n"
             f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
-            f" dnat ip to meta mark & {lay.target:#x} . ip daddr . meta l4proto . th dport"
-            f" map @vip_targets\n"
+            f" dnat {f.family} to meta mark & {lay.target:#x} . {f.daddr} . meta l4proto"
+            f" . th dport map @vip_targets\n"
             f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
-            f" dnat ip to meta mark & {lay.target:#x} . meta l4proto . th dport"
+            f" dnat {f.family} to meta mark & {lay.target:#x} . meta l4proto . th dport"
             f" map @np_targets\n"
             f"  }}\n"
         )
 
     masq = lay.masquerade | q
+    a, fam = f.addr, f.family
     return (
-        f"table ip {cfg.table}\n"
-        f"delete table ip {cfg.table}\n"
-        f"table ip {cfg.table} {{\n"
+        f"table {fam} {cfg.table}\n"
+        f"delete table {fam} {cfg.table}\n"
+        f"table {fam} {cfg.table} {{\n"
         f"  set ports {{ type inet_service;{ports} }}\n"
-        f"  set pairs {{ type ipv4_addr . inet_service;{pairs} }}\n"
+        f"  set pairs {{ type {a} . inet_service;{pairs} }}\n"
         f"  set udp_ports {{ type inet_service;{udp_ports} }}\n"
-        f"  set udp_pairs {{ type ipv4_addr . inet_service;{udp_pairs} }}\n"
-        f"  set vips {{ type ipv4_addr;{vips} }}\n"
+        f"  set udp_pairs {{ type {a} . inet_service;{udp_pairs} }}\n"
+        f"  set vips {{ type {a};{vips} }}\n"
         f"  map np_targets {{ type mark . inet_proto . inet_service :"
-        f" ipv4_addr . inet_service;{np_targets} }}\n"
-        f"  map vip_targets {{ type mark . ipv4_addr . inet_proto . inet_service :"
-        f" ipv4_addr . inet_service;{vip_targets} }}\n"
+        f" {a} . inet_service;{np_targets} }}\n"
+        f"  map vip_targets {{ type mark . {a} . inet_proto . inet_service :"
+        f" {a} . inet_service;{vip_targets} }}\n"
         + marking("prerouting") + marking("output")
         + reject("prerouting") + reject("output")
         + dnat("prerouting") + dnat("output")
@@ -437,9 +498,10 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt") ->
     )
 
 
-def remove_script(table: str = NFT_TABLE) -> str:
-    """Delete the table if it is there: declaring it first makes the delete never fail."""
-    return f"table ip {table}\ndelete table ip {table}\n"
+def remove_script(table: str = NFT_TABLE, family: int = 4) -> str:
+    """Delete ``family``'s table if it is there: declaring it first makes the delete never fail."""
+    fam = _nft_family(family).family
+    return f"table {fam} {table}\ndelete table {fam} {table}\n"
 
 
 def probe_script(queue: int) -> str:
@@ -463,9 +525,13 @@ def iptables_rules(cfg: QueueConfig) -> list[list[str]]:
     return [[chain, *tail] for chain in ("PREROUTING", "OUTPUT")]
 
 
-def iptables_argv(op: str, rule: list[str]) -> list[str]:
-    """``iptables -t mangle <op> <rule>``; ``op`` is ``-A``, ``-C`` or ``-D``."""
-    return ["iptables", "-w", "5", "-t", "mangle", op, *rule]
+def iptables_argv(op: str, rule: list[str], family: int = 4) -> list[str]:
+    """``iptables -t mangle <op> <rule>`` (``ip6tables`` for IPv6); ``op`` is ``-A``, ``-C``
+    or ``-D``."""
+    return [_IPTABLES[family], "-w", "5", "-t", "mangle", op, *rule]
+
+
+_IPTABLES = {4: "iptables", 6: "ip6tables"}
 
 
 def kpx_rules(save: str, comment: str = COMMENT) -> list[list[str]]:
@@ -510,19 +576,20 @@ def nft_queue_supported(queue: int = DEFAULT_QUEUE) -> bool:
     raise RuntimeError(f"nft -c (queue probe): {res.stderr.strip() or res.returncode}")
 
 
-def _saved() -> str | None:
-    """``iptables-save -t mangle`` now; None if there is no ``iptables`` to ask."""
+def _saved(family: int = 4) -> str | None:
+    """``iptables-save -t mangle`` (``ip6tables-save``) now; None if there is none to ask."""
     try:
-        res = _run(["iptables-save", "-t", "mangle"])
+        res = _run([f"{_IPTABLES[family]}-save", "-t", "mangle"])
     except FileNotFoundError:
         return None
     if res.returncode != 0:
-        raise RuntimeError(f"iptables-save: {res.stderr.strip() or res.returncode}")
+        raise RuntimeError(f"{_IPTABLES[family]}-save: {res.stderr.strip() or res.returncode}")
     return res.stdout
 
 
-def _ensure_xt(cfg: QueueConfig) -> int:
-    """Exactly one copy of each wanted rule, and no other kpx rule; returns rules added.
+def _ensure_xt(cfg: QueueConfig, family: int = 4) -> int:
+    """Exactly one copy of each wanted rule of ``family``, and no other kpx rule; returns
+    rules added.
 
     Wanted rules go in first: while an old configuration's rule (another
     queue number) is still ahead of ours, its SYNs are dropped, not let
@@ -531,45 +598,47 @@ def _ensure_xt(cfg: QueueConfig) -> int:
     the last ``-C`` puts back a rule deleted for looking foreign.
     """
     wanted = iptables_rules(cfg)
-    added = _append_missing(wanted)
+    added = _append_missing(wanted, family)
     keep = {tuple(r): 1 for r in wanted}
     stale = 0
-    for rule in _kpx_saved(cfg.comment) or []:
+    for rule in _kpx_saved(cfg.comment, family) or []:
         if keep.get(tuple(rule), 0) > 0:
             keep[tuple(rule)] -= 1
             continue
-        stale += _run(iptables_argv("-D", rule)).returncode == 0
+        stale += _run(iptables_argv("-D", rule, family)).returncode == 0
     if stale:
-        log.info("nfqueue: removed %d iptables rule(s) of an earlier kpx", stale)
-        added += _append_missing(wanted)
+        log.info("nfqueue: removed %d %s rule(s) of an earlier kpx", stale, _IPTABLES[family])
+        added += _append_missing(wanted, family)
     return added
 
 
-def _append_missing(rules: list[list[str]]) -> int:
+def _append_missing(rules: list[list[str]], family: int = 4) -> int:
     added = 0
     for rule in rules:
-        if _run(iptables_argv("-C", rule)).returncode == 0:
+        if _run(iptables_argv("-C", rule, family)).returncode == 0:
             continue
-        res = _run(iptables_argv("-A", rule))
+        res = _run(iptables_argv("-A", rule, family))
         if res.returncode != 0:
-            raise RuntimeError(f"iptables -A {' '.join(rule)}: {res.stderr.strip()}")
+            raise RuntimeError(f"{_IPTABLES[family]} -A {' '.join(rule)}: {res.stderr.strip()}")
         added += 1
     return added
 
 
-def _kpx_saved(comment: str) -> list[list[str]] | None:
-    save = _saved()
+def _kpx_saved(comment: str, family: int = 4) -> list[list[str]] | None:
+    save = _saved(family)
     return None if save is None else kpx_rules(save, comment)
 
 
-def install(cfg: QueueConfig, served: Served, mechanism: Mechanism | None = None) -> Mechanism:
-    """Make the namespace queue ``served`` SYNs and act on verdicts; idempotent.
+def install(cfg: QueueConfig, served: Served, mechanism: Mechanism | None = None,
+            family: int = 4) -> Mechanism:
+    """Make the namespace queue ``family``'s ``served`` SYNs and act on verdicts; idempotent.
 
     ``mechanism`` None: probe the kernel (``nft_queue_supported``) and log
     the choice. The table goes first (it only marks; nothing is queued
     without the iptables rule), then the rule. The nft path also removes
     a previous run's iptables rules. Bind the queue socket before this.
-    Returns the mechanism used.
+    Returns the mechanism used. Each family is installed on its own (the
+    caller installs both, with the mechanism the first one found).
     """
     if mechanism is None:
         mechanism = "nft" if nft_queue_supported(cfg.queue) else "xt"
@@ -578,51 +647,58 @@ def install(cfg: QueueConfig, served: Served, mechanism: Mechanism | None = None
         else:
             log.info("nfqueue: this kernel has no nft queue expression (CONFIG_NFT_QUEUE);"
                      " queueing SYNs with iptables -j NFQUEUE (queue %d)", cfg.queue)
-    script = nft_script(cfg, served, mechanism)  # ValueError: nothing has changed yet
-    _nft(script, f"table ip {cfg.table}")
+    script = nft_script(cfg, served, mechanism, family)  # ValueError: nothing changed yet
+    fam = _nft_family(family).family
+    _nft(script, f"table {fam} {cfg.table}")
     if mechanism == "xt":
-        _ensure_xt(cfg)
+        _ensure_xt(cfg, family)
     else:
-        _remove_xt(cfg)
+        _remove_xt(cfg, family)
     return mechanism
 
 
-def sync(cfg: QueueConfig, served: Served, mechanism: Mechanism) -> None:
-    """Replace the table with one serving ``served``, atomically (the rules stay as they are)."""
-    _nft(nft_script(cfg, served, mechanism), f"table ip {cfg.table}")
+def sync(cfg: QueueConfig, served: Served, mechanism: Mechanism, family: int = 4) -> None:
+    """Replace ``family``'s table with one serving ``served``, atomically (the rules stay)."""
+    _nft(nft_script(cfg, served, mechanism, family),
+         f"table {_nft_family(family).family} {cfg.table}")
 
 
-def _remove_xt(cfg: QueueConfig) -> int:
+def _remove_xt(cfg: QueueConfig, family: int = 4) -> int:
     removed = 0
-    if _kpx_saved(cfg.comment) is None:
+    if _kpx_saved(cfg.comment, family) is None:
         return 0
     for rule in iptables_rules(cfg):
         for _ in range(_MAX_DELETES):
-            if _run(iptables_argv("-D", rule)).returncode != 0:
+            if _run(iptables_argv("-D", rule, family)).returncode != 0:
                 break
             removed += 1
-    for rule in _kpx_saved(cfg.comment) or []:  # another configuration's, left by a crash
+    for rule in _kpx_saved(cfg.comment, family) or []:  # another configuration's, left by a crash
         for _ in range(_MAX_DELETES):
-            if _run(iptables_argv("-D", rule)).returncode != 0:
+            if _run(iptables_argv("-D", rule, family)).returncode != 0:
                 break
             removed += 1
-    left = _kpx_saved(cfg.comment)
+    left = _kpx_saved(cfg.comment, family)
     if left:
-        raise RuntimeError(f"iptables rules still present after removing them: {left}")
+        raise RuntimeError(f"{_IPTABLES[family]} rules still present after removing them: {left}")
     return removed
 
 
-def remove(cfg: QueueConfig) -> int:
-    """Delete every kpx rule: the iptables rules first (nothing is queued), then the table.
+def remove(cfg: QueueConfig, families: Iterable[int] = FAMILIES) -> int:
+    """Delete every kpx rule of ``families``: the iptables rules first (nothing is queued),
+    then the table.
 
-    Idempotent; without an ``iptables`` binary only the table is removed.
-    Returns the iptables rules deleted. The ``ip mangle`` table that
-    ``iptables-nft`` made for kpx's rules goes too, but only while it is
-    empty (``mangle_is_empty``): with anyone's rule in it, it stays.
+    Idempotent; without an ``iptables`` (``ip6tables``) binary only the
+    table is removed. Returns the iptables and ip6tables rules deleted. The
+    ``mangle`` table that ``iptables-nft`` made for kpx's rules goes too, but
+    only while it is empty (``mangle_is_empty``): with anyone's rule in it,
+    it stays.
     """
-    removed = _remove_xt(cfg)
-    _nft(remove_script(cfg.table), f"delete table ip {cfg.table}")
-    _remove_empty_mangle()
+    removed = 0
+    for family in families:
+        removed += _remove_xt(cfg, family)
+        fam = _nft_family(family).family
+        _nft(remove_script(cfg.table, family), f"delete table {fam} {cfg.table}")
+        _remove_empty_mangle(family)
     return removed
 
 
@@ -648,10 +724,11 @@ def mangle_is_empty(listing: str) -> bool:
     return True
 
 
-def _remove_empty_mangle() -> None:
+def _remove_empty_mangle(family: int = 4) -> None:
+    fam = _nft_family(family).family
     try:
-        res = _run(["nft", "-j", "list", "table", "ip", "mangle"])
+        res = _run(["nft", "-j", "list", "table", fam, "mangle"])
     except FileNotFoundError:
         return
     if res.returncode == 0 and mangle_is_empty(res.stdout):
-        _run(["nft", "delete", "table", "ip", "mangle"])
+        _run(["nft", "delete", "table", fam, "mangle"])

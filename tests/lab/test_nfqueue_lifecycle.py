@@ -47,12 +47,20 @@ def echoes(s: socket.socket, data: bytes) -> bool:
     return got == data
 
 
-def kpx_rules(lab: Lab) -> tuple[int, int]:
-    """(kpx's iptables rules, kpx_nfq tables) in NODE's namespace."""
-    save = lab.run(NODE, ["iptables-save", "-t", "mangle"]).stdout
-    rules = sum("kpx-nfqueue" in line for line in save.splitlines())
-    tables = lab.run(NODE, ["nft", "list", "tables"]).stdout.split().count("kpx_nfq")
-    return rules, tables
+ONE_COPY = (2, 1, 2, 1)
+"""Each family's two xt rules (PREROUTING, OUTPUT) and one ``kpx_nfq`` table."""
+
+
+def kpx_rules(lab: Lab) -> tuple[int, int, int, int]:
+    """(kpx's iptables rules, ``ip kpx_nfq`` tables, its ip6tables rules, ``ip6 kpx_nfq``
+    tables) in NODE's namespace: nfqueue mode installs both families' whatever the node has."""
+    tables = lab.run(NODE, ["nft", "list", "tables"]).stdout.splitlines()
+    out: list[int] = []
+    for tool, family in (("iptables", "ip"), ("ip6tables", "ip6")):
+        save = lab.run(NODE, [f"{tool}-save", "-t", "mangle"]).stdout
+        out += [sum("kpx-nfqueue" in line for line in save.splitlines()),
+                tables.count(f"table {family} kpx_nfq")]
+    return out[0], out[1], out[2], out[3]
 
 
 def test_a_restart_keeps_established_flows_and_decides_new_syns(
@@ -74,12 +82,12 @@ def test_a_restart_keeps_established_flows_and_decides_new_syns(
         reply, _ = who(lab, "client", ip, port, timeout=5.0)
         assert reply["pod"] == "web-1"
         assert echoes(held, b"after" * 1000)
-        assert kpx_rules(lab) == (2, 1)
+        assert kpx_rules(lab) == ONE_COPY
 
         # SIGKILL: nothing is removed; the next kpx finds the leftovers and keeps one copy.
         os.kill(new, signal.SIGKILL)
         wait_until(lambda: not netns.pid_alive(new), 5, what="the killed kpx node to go")
-        assert kpx_rules(lab) == (2, 1), "a SIGKILL must leave the rules as they were"
+        assert kpx_rules(lab) == ONE_COPY, "a SIGKILL must leave the rules as they were"
         assert echoes(held, b"orphaned" * 1000), "conntrack forwards with no kpx at all"
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):  # fail-closed: queued SYNs are dropped
@@ -88,7 +96,7 @@ def test_a_restart_keeps_established_flows_and_decides_new_syns(
         lab._start_proxy(NODE)  # as a DaemonSet restarts a killed pod; no old one to stop
         reply, _ = who(lab, "client", ip, port, timeout=5.0)
         assert reply["pod"] == "web-1"
-        assert kpx_rules(lab) == (2, 1), "a restart after SIGKILL must leave one copy"
+        assert kpx_rules(lab) == ONE_COPY, "a restart after SIGKILL must leave one copy"
     finally:
         held.close()
 

@@ -24,7 +24,7 @@ import pytest
 from proxy.core.decision import build_plans
 from proxy.core.model import EndpointPort, ServicePort
 from proxy.nfqueue import conntrack
-from proxy.nfqueue.dataplane import NfqueueDataplane, Slots, Targets, served_for
+from proxy.nfqueue.dataplane import NfqueueDataplane, Slots, Tables, Targets, served_for
 from proxy.nfqueue.netlink import NF_ACCEPT, NF_DROP, Packet, Verdict
 from tests.support.model import endpoint, endpoint_slice, service, snapshot
 
@@ -215,11 +215,11 @@ def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written(
         dataplane: NfqueueDataplane) -> None:
     """nft committed the new port, so the SYN was queued: the swap has not happened yet."""
     dp = dataplane
-    dp._table = dp._tabulate({}, ("0.0.0.0",), {})
-    dp._pending = dp._tabulate(plans(A), ("0.0.0.0",), {})  # type: ignore[arg-type]
+    dp._tables = Tables(dp._tabulate({}, ("0.0.0.0",), {}))
+    dp._pending = Tables(dp._tabulate(plans(A), ("0.0.0.0",), {}))  # type: ignore[arg-type]
     q = FakeQueue([])
     dp._answer(q, [Packet(1, 0, syn(30080)), Packet(2, 0, syn(30099))],  # type: ignore[arg-type]
-               dp._table)
+               dp._tables)
     lay = dp.cfg.layout
     assert q.sent[0] == Verdict(1, NF_ACCEPT, lay.forward(1))  # A's slot in the new table
     assert q.sent[1] == Verdict(2, NF_ACCEPT, lay.reject)  # in neither table: refused
@@ -229,7 +229,7 @@ def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written(
 def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch(
         dataplane: NfqueueDataplane) -> None:
     dp = dataplane
-    dp._table = dp._tabulate(plans(A), ("0.0.0.0",), {})  # type: ignore[arg-type]
+    dp._tables = Tables(dp._tabulate(plans(A), ("0.0.0.0",), {}))  # type: ignore[arg-type]
     q = FakeQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))]])
     calls = 0
     answer = dp._answer

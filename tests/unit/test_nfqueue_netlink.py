@@ -163,9 +163,10 @@ def test_flow_of_udp_and_of_a_protocol_without_ports() -> None:
 @pytest.mark.parametrize(("payload", "why"), [
     (SYN[:19], "less than a header"),
     (SYN[:22], "the ports end at 24"),
-    (b"\x60" + SYN[1:], "version 6"),
+    (b"\x50" + SYN[1:], "version 5"),
     (b"\x44" + SYN[1:], "header length 16"),
-], ids=["short-header", "no-ports", "ipv6", "short-ihl"])
+    (b"", "empty"),
+], ids=["short-header", "no-ports", "version-5", "short-ihl", "empty"])
 def test_flow_refuses_what_is_not_a_whole_ipv4_header(payload: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         netlink.flow(payload)
