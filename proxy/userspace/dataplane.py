@@ -125,7 +125,8 @@ ClientIP affinity (``--workers`` then steer by client IP), and the target to put
 
 
 def vip_rules(plans: Mapping[PlanKey, PortPlan], passed: tuple[str, ...] = (),
-              udp_plans: Mapping[PlanKey, PortPlan] | None = None) -> tuple[Interception, bool]:
+              udp_plans: Mapping[PlanKey, PortPlan] | None = None,
+              family: int = 4) -> tuple[Interception, bool]:
     """Sort the VIP plans into served, dropped and (by leaving them out) rejected ports (pure).
 
     No endpoint anywhere (``plan.listen`` False): in no set, so the table
@@ -133,7 +134,8 @@ def vip_rules(plans: Mapping[PlanKey, PortPlan], passed: tuple[str, ...] = (),
     external VIP with eTP=Local and nothing here: ``drop_external`` *and*
     ``served``, since pods and the node still get Cluster semantics. The
     second value: some served TCP port has ClientIP affinity. ``udp_plans``
-    fill the UDP sets the same way.
+    fill the UDP sets the same way. For ``family`` 6, every NodePort that
+    has listeners is one ``::1`` refuses (``Interception.loopback``).
     """
     def sort(table: Mapping[PlanKey, PortPlan]) -> tuple[frozenset[VIPPort], ...]:
         served: set[VIPPort] = set()
@@ -155,8 +157,14 @@ def vip_rules(plans: Mapping[PlanKey, PortPlan], passed: tuple[str, ...] = (),
                    for p in plans.values())
     served, drop_all, drop_external = sort(plans)
     udp_served, udp_drop_all, udp_drop_external = sort(udp_plans or {})
+    loopback: frozenset[int] = frozenset()
+    udp_loopback: frozenset[int] = frozenset()
+    if family == 6:
+        loopback = frozenset(p.node_port for p in plans.values() if p.vip is None and p.listen)
+        udp_loopback = frozenset(p.node_port for p in (udp_plans or {}).values()
+                                 if p.vip is None and p.listen)
     rules = Interception(served, drop_all, drop_external, passed,
-                         udp_served, udp_drop_all, udp_drop_external)
+                         udp_served, udp_drop_all, udp_drop_external, loopback, udp_loopback)
     return rules, affinity
 
 
@@ -468,7 +476,7 @@ class Dataplane:
 
     def _vip_want(self, sync: SyncResult) -> VIPWant:
         """``vip_rules`` of the sync and its ``VIPTarget``; ValueError for a bad VIP."""
-        wanted, affinity = vip_rules(sync.plans, self._passed, sync.udp_plans)
+        wanted, affinity = vip_rules(sync.plans, self._passed, sync.udp_plans, self.family)
         return wanted, affinity, self._vip_target(sync.vips, wanted)
 
     def _steerable(self, wanted: Interception) -> Interception:
@@ -970,7 +978,7 @@ class Dataplane:
         if self._vips_wanted is not None and (self._vip_listener is None or reopened):
             # A VIP socket failed to bind, or has just bound: again, for what the
             # last apply wanted (``_sync_vips`` re-renders when what is servable changed).
-            self._sync_vips(*vip_rules(self._plans, self._passed, self.udp.plans()),
+            self._sync_vips(*vip_rules(self._plans, self._passed, self.udp.plans(), self.family),
                             self._vips_wanted)
         if self._failed or self._udp_failed:
             self._reconcile()

@@ -254,6 +254,12 @@ class Interception:
     unreachable, which is what kube-proxy's REJECT sends for UDP."""
     udp_drop_all: frozenset[VIPPort] = frozenset()
     udp_drop_external: frozenset[VIPPort] = frozenset()
+    loopback: frozenset[int] = frozenset()
+    """IPv6 only: the TCP NodePorts that ``::1`` must refuse (RST to the SYN). The IPv6
+    dataplane's ``::`` listeners would accept it, but iptables mode serves no IPv6
+    localhost NodePort, so there the SYN meets a closed port."""
+    udp_loopback: frozenset[int] = frozenset()
+    """The same for UDP NodePorts: ICMPv6 port unreachable, a closed port's answer."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -339,7 +345,8 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
 
     ``family`` 6 writes the same table in the ``ip6`` family (``ip6
     kpx_vips``, beside ``ip kpx_vips``), with ``ipv6_addr`` sets and ICMPv6's
-    port unreachable for UDP.
+    port unreachable for UDP, and refuses the NodePorts on ``::1``
+    (``Interception.loopback``): loopback traffic passes prerouting too.
     """
     ip, addr = ("ip6", "ipv6_addr") if family == 6 else ("ip", "ipv4_addr")
     unreachable = "icmpv6 type port-unreachable" if family == 6 else "icmp type port-unreachable"
@@ -348,10 +355,23 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         return _elements(f"{a} . {p}" for a, p in ordered(s))
 
     cidrs = _elements(rules.passed)
+    loopback = ""
+    if family == 6:
+        loopback = (
+            f"  set loopback {{ type inet_service;"
+            f"{_elements(map(str, sorted(rules.loopback)))} }}\n"
+            f"  set udp_loopback {{ type inet_service;"
+            f"{_elements(map(str, sorted(rules.udp_loopback)))} }}\n"
+            f"  chain loopback_guard {{\n"
+            f"    tcp dport @loopback tcp flags & (syn | ack) == syn reject with tcp reset\n"
+            f"    udp dport @udp_loopback reject with {unreachable}\n"
+            f"  }}\n"
+        )
     return (
         f"table {ip} {table}\n"
         f"delete table {ip} {table}\n"
         f"table {ip} {table} {{\n"
+        f"{loopback}"
         f"  set vips {{ type {addr};{_elements(ordered(vips))} }}\n"
         f"  set served {{ type {addr} . inet_service;{pairs(rules.served)} }}\n"
         f"  set drop_all {{ type {addr} . inet_service;{pairs(rules.drop_all)} }}\n"
@@ -370,7 +390,8 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"  }}\n"
         f"  chain guard {{\n"
         f"    type filter hook prerouting priority mangle; policy accept;\n"
-        f"    {ip} daddr != @vips return\n"
+        + ("    ip6 daddr ::1 jump loopback_guard\n" if family == 6 else "")
+        + f"    {ip} daddr != @vips return\n"
         f"    meta l4proto udp jump udp_guard\n"
         f"    tcp flags & (syn | ack) != syn return\n"
         f"    {ip} daddr . tcp dport @drop_all counter drop\n"

@@ -188,3 +188,25 @@ def test_ipv6_endpoints_print_bracketed_and_nodes_list_canonical_ips() -> None:
     assert str(EndpointInfo("10.1.0.2", 8080, None, False)) == "10.1.0.2:8080"
     n = Node("n", internal_ips=("10.0.0.1", "FD00:0::1", "not-an-ip"), external_ips=("fd00::1",))
     assert n.ips_of(4) == ("10.0.0.1",) and n.ips_of(6) == ("fd00::1",)
+
+
+def test_ipv6_loopback_refuses_exactly_the_listening_nodeports() -> None:
+    """The userspace IPv6 guard's ``::1`` sets: NodePorts with listeners, TCP and UDP apart;
+    none for IPv4, whose 127.0.0.1 NodePorts are served (iptables mode's route_localnet)."""
+    from proxy.userspace.dataplane import vip_rules
+    from proxy.userspace.vips import nft_script
+
+    udp = service("dns", 30053, protocol="UDP", cluster_ip=V6_IP, ipFamilies=["IPv6"])
+    empty = service("empty", 30081, cluster_ip="fd00:96::b", ipFamilies=["IPv6"])
+    snap = state(node("node-a", "10.0.0.1", "fd00::1"), dual(), udp, empty, *both_slices(),
+                 endpoint_slice("dns", endpoint("fd00:1::3"), name="dns-v6", protocol="UDP",
+                                address_type="IPv6"))
+    v4 = compute_sync(snap, SyncConfig("node-a", vips=True))
+    assert v4.ipv6 is not None
+    rules, _ = vip_rules(v4.ipv6.plans, (), v4.ipv6.udp_plans, 6)
+    assert rules.loopback == {30080} and rules.udp_loopback == {30053}  # "empty" rejects anyway
+    assert vip_rules(v4.plans, (), v4.udp_plans, 4)[0].loopback == frozenset()
+    script = nft_script(v4.ipv6.vips, rules, family=6)
+    assert "ip6 daddr ::1 jump loopback_guard" in script
+    assert "set loopback { type inet_service; elements = { 30080 }; }" in script
+    assert "loopback" not in nft_script(v4.vips, vip_rules(v4.plans)[0], family=4)
