@@ -381,9 +381,12 @@ class Lab(Traffic, Pods):
         """healthCheckNodePort of a service; 0 if it has none (not LoadBalancer+Local)."""
         return int(self.service(key)["spec"].get("healthCheckNodePort", 0))
 
-    def cluster_ip(self, key: str) -> str:
-        """The service's ClusterIP (allocated from ``cluster.serviceCIDR`` unless given)."""
-        return str(self.service(key)["spec"].get("clusterIP") or "")
+    def cluster_ip(self, key: str, family: int = 4) -> str:
+        """The service's ClusterIP of ``family`` (allocated from ``cluster.serviceCIDR``, or
+        the IPv6 service range, unless given); "" if it has none of that family."""
+        spec = self.service(key)["spec"]
+        ips = [str(ip) for ip in spec.get("clusterIPs") or [spec.get("clusterIP") or ""] if ip]
+        return next((ip for ip in ips if (":" in ip) == (family == 6)), "")
 
     def external_ips(self, key: str) -> list[str]:
         return list(self.service(key)["spec"].get("externalIPs") or [])

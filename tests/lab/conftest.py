@@ -115,6 +115,12 @@ def one_pod_spec() -> Callable[..., dict[str, Any]]:
 
 
 @pytest.fixture
+def family(request: pytest.FixtureRequest) -> int:
+    """The IP family a verdict test runs over: 4, or 6 under ``labkit.over_both_families``."""
+    return int(getattr(request, "param", 4))
+
+
+@pytest.fixture
 def lab_prefix() -> str:
     """A fresh unique lab prefix (for labs made without ``lab_factory``, e.g. by the CLI)."""
     require_root()

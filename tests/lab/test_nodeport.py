@@ -41,6 +41,7 @@ from tests.support.labkit import (
     lab_spec,
     logs,
     mode_of,
+    over_both_families,
     peer_ip,
     poll_change,
     service,
@@ -80,6 +81,7 @@ def payload_64mib() -> bytes:
 
 
 @pytest.mark.lab
+@over_both_families
 def test_cluster_policy_every_node_answers_and_only_cross_node_hops_snat(
         lab_factory: LabFactory, one_pod_spec: SpecFactory) -> None:
     """eTP=Cluster: every node's nodeIP:nodePort reaches the one pod on node1.
@@ -92,7 +94,7 @@ def test_cluster_policy_every_node_answers_and_only_cross_node_hops_snat(
     for node in lab.nodes:
         reply, _ = who(lab, "client", lab.node_ip(node), port)
         assert reply["pod"] == "web-1", node
-        expected = CLIENT_IP if node == "node1" else lab.node_ip(node)
+        expected = lab.client_ip if node == "node1" else lab.node_ip(node)
         assert peer_ip(reply) == expected, f"through {node} the pod saw {reply['peer']}"
 
 
@@ -100,6 +102,7 @@ def test_cluster_policy_every_node_answers_and_only_cross_node_hops_snat(
 
 
 @pytest.mark.lab
+@over_both_families
 def test_local_policy_preserves_client_ip_and_podless_nodes_drop(
         lab_factory: LabFactory, one_pod_spec: SpecFactory) -> None:
     """eTP=Local: the pod's node answers with the client IP kept; other nodes DROP.
@@ -113,7 +116,7 @@ def test_local_policy_preserves_client_ip_and_podless_nodes_drop(
     port = lab.node_port("default/web")
     reply, _ = who(lab, "client", lab.node_ip("node1"), port)
     assert reply["pod"] == "web-1"
-    assert peer_ip(reply) == CLIENT_IP
+    assert peer_ip(reply) == lab.client_ip
 
     targets = {n: (lab.node_ip(n), port) for n in lab.nodes}
     tcp, icmp = syn_answers(lab.ns("client"), targets.values(), window=DROP_WINDOW)
@@ -136,6 +139,7 @@ def test_local_policy_preserves_client_ip_and_podless_nodes_drop(
 
 
 @pytest.mark.lab
+@over_both_families
 def test_service_without_usable_endpoints_is_refused_at_once(lab_factory: LabFactory) -> None:
     """No usable endpoint anywhere: REJECT, i.e. RST to the SYN and ECONNREFUSED at once.
 
@@ -159,7 +163,7 @@ def test_service_without_usable_endpoints_is_refused_at_once(lab_factory: LabFac
                 s.settimeout(3.0)
                 s.connect((lab.node_ip(node), port))
             assert time.monotonic() - t0 < 0.5, "refusal must be immediate"
-            assert connect_outcome(lab, node, "127.0.0.1", port, 1.0) == "refused"
+            assert connect_outcome(lab, node, lab.localhost, port, 1.0) == "refused"
 
     targets = [(lab.node_ip(n), p) for n in lab.nodes for p in rejecting]
     tcp, _ = syn_answers(lab.ns("client"), [*targets, (lab.node_ip("node1"), good)],
@@ -173,14 +177,18 @@ def test_service_without_usable_endpoints_is_refused_at_once(lab_factory: LabFac
 
 
 @pytest.mark.lab
+@over_both_families
 def test_localhost_nodeport_works_on_a_node_without_local_endpoints(
-        lab_factory: LabFactory, one_pod_spec: SpecFactory) -> None:
+        lab_factory: LabFactory, one_pod_spec: SpecFactory, family: int) -> None:
     """eTP=Local, no pod on node2: node2 reaching its own NodePort gets Cluster semantics.
 
     127.0.0.1:nodePort and node2's own IP both reach the pod on node1,
     SNATed to node2's address (kube-proxy 1d, kpx decision 5), while the
     external client is still dropped there: the "works from the node,
     fails its external check" seed scenario.
+
+    Over IPv6, node2's own address does the same, and ``::1`` is refused at
+    once: iptables mode serves no IPv6 localhost NodePort (README).
     """
     lab = up(lab_factory, one_pod_spec(etp="Local", node="node1"))
     port = lab.node_port("default/web")
@@ -188,8 +196,13 @@ def test_localhost_nodeport_works_on_a_node_without_local_endpoints(
     for dst in ("127.0.0.1", node2):
         reply = lab.request("node2", dst, port)
         assert reply["pod"] == "web-1", dst
-        assert peer_ip(reply) == node2, f"via {dst} the pod saw {reply['peer']}"
+        assert peer_ip(reply) == lab.node_ip("node2", 4 if dst == "127.0.0.1" else family), \
+            f"via {dst} the pod saw {reply['peer']}"
     assert connect_outcome(lab, "client", node2, port, 1.0) == "timeout"
+    if family == 6:
+        t0 = time.monotonic()
+        assert connect_outcome(lab, "node2", "::1", port, 1.0) == "refused"
+        assert time.monotonic() - t0 < 0.5, "::1 must be refused at the SYN"
 
 
 # ------------------------------------------------------------------ 5. terminating
@@ -311,6 +324,7 @@ def test_client_ip_affinity_sticks_expires_and_switches_off(lab_factory: LabFact
 
 
 @pytest.mark.lab
+@over_both_families
 def test_state_file_changes_apply_within_a_second_and_delete_leaves_no_listener(
         lab_factory: LabFactory, one_pod_spec: SpecFactory) -> None:
     """Edits to the watched state file reach new connections within 1 s, without restart.
@@ -347,7 +361,7 @@ def test_state_file_changes_apply_within_a_second_and_delete_leaves_no_listener(
     lab.add_pod("web-2", "node2", {"app": "web"})
     timings["add pod"] = poll_change(lab, answers("node2", "web-2"), "node2 answering")
     reply, _ = who(lab, "client", ip["node2"], port)
-    assert (reply["pod"], peer_ip(reply)) == ("web-2", CLIENT_IP)
+    assert (reply["pod"], peer_ip(reply)) == ("web-2", lab.client_ip)
 
     svc = copy.deepcopy(spec["services"][0])
     svc["spec"]["externalTrafficPolicy"] = "Cluster"
@@ -363,7 +377,7 @@ def test_state_file_changes_apply_within_a_second_and_delete_leaves_no_listener(
     # A short timeout could mistake a slow answer for a drop: confirm with a long one.
     assert connect_outcome(lab, "client", ip["node3"], port, DROP_WINDOW) == "timeout"
     reply, _ = who(lab, "client", ip["node1"], port)
-    assert peer_ip(reply) == CLIENT_IP
+    assert peer_ip(reply) == lab.client_ip
 
     lab.delete_service("default/web")
     timings["delete"] = poll_change(lab, refused("node1"), "node1 refusing")
@@ -374,7 +388,7 @@ def test_state_file_changes_apply_within_a_second_and_delete_leaves_no_listener(
     for node in lab.nodes:
         assert ss_listening(port, lab.ns(node)) == [], f"{node} still listens on {port}"
         assert connect_outcome(lab, "client", ip[node], port, 1.0) == "refused", node
-        assert connect_outcome(lab, node, "127.0.0.1", port, 1.0) == "refused", node
+        assert connect_outcome(lab, node, lab.localhost, port, 1.0) == "refused", node
 
 
 # ------------------------------------------------------------------ 8. half-close, volume
@@ -388,6 +402,7 @@ def read_to_eof(s: socket.socket) -> bytes:
 
 
 @pytest.mark.lab
+@over_both_families
 @pytest.mark.parametrize("via", ["node1", "node2"], ids=["transparent-same-node",
                                                          "snat-cross-node"])
 def test_half_close_and_64mib_pass_intact(
@@ -403,7 +418,7 @@ def test_half_close_and_64mib_pass_intact(
     lab = up(lab_factory, one_pod_spec(etp="Cluster", node="node1"))
     port = lab.node_port("default/web")
     ip = lab.node_ip(via)
-    expected_peer = CLIENT_IP if via == "node1" else ip
+    expected_peer = lab.client_ip if via == "node1" else ip
     data = payload_64mib()
     digest = hashlib.sha256(data).hexdigest()
 

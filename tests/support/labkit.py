@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ import pytest
 
 from lab import Lab
 from lab.common import wait_until
+from lab.probes import family_of
 from tests.support import objects
 
 CLIENT_IP = "10.79.0.100"
@@ -155,7 +157,7 @@ def peer_ip(reply: Mapping[str, Any]) -> str:
 def who(lab: Lab, src: str, ip: str, port: int,
         timeout: float = 2.0) -> tuple[dict[str, Any], tuple[str, int]]:
     """One WHO request: (the pod's reply, our local address)."""
-    with lab.socket(src) as s:
+    with lab.socket(src, family_of(ip)) as s:
         s.settimeout(timeout)
         s.connect((ip, port))
         local = s.getsockname()
@@ -171,7 +173,7 @@ def who(lab: Lab, src: str, ip: str, port: int,
 
 def connect_outcome(lab: Lab, src: str, ip: str, port: int, timeout: float) -> Outcome:
     """Try one TCP connect from ``src``; classify what happened."""
-    with lab.socket(src) as s:
+    with lab.socket(src, family_of(ip)) as s:
         s.settimeout(timeout)
         try:
             s.connect((ip, port))
@@ -203,24 +205,84 @@ PROXY_MODES = ("userspace", "nfqueue")
 """Every verdict test runs against both dataplanes (issue 15): the relay, and SYNs decided
 in Python with conntrack forwarding the rest."""
 
+FAMILIES = (4, 6)
+"""The verdict tests run over IPv4, and over IPv6 in a dual-stack lab (issue 14)."""
+
+
+class FamilyLab:
+    """A lab seen through one IP family: its addresses and sockets default to that family.
+
+    What lets a verdict test written for IPv4 run unchanged over IPv6: in a
+    dual-stack lab, ``FamilyLab(lab, 6).node_ip("node1")`` is node1's IPv6
+    address, ``client_ip`` the client's, and ``socket("client")`` an
+    ``AF_INET6`` socket. Everything else is the lab's own.
+    """
+
+    def __init__(self, lab: Lab, family: int) -> None:
+        self.lab = lab
+        self.family = family
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lab, name)
+
+    def node_ip(self, node: str, family: int | None = None) -> str:
+        return self.lab.node_ip(node, family or self.family)
+
+    def pod_ip(self, pod: str, family: int | None = None) -> str:
+        return self.lab.pod_ip(pod, family or self.family)
+
+    def cluster_ip(self, key: str, family: int | None = None) -> str:
+        return self.lab.cluster_ip(key, family or self.family)
+
+    @property
+    def client_ip(self) -> str:
+        return str(self.lab.client_ip(self.family))
+
+    @property
+    def lb_ip(self) -> str:
+        return str(self.lab.lb_ip(self.family))
+
+    @property
+    def localhost(self) -> str:
+        """The loopback address of this family: ``::1`` is never a NodePort (iptables mode)."""
+        return "::1" if self.family == 6 else "127.0.0.1"
+
+    def socket(self, src: str, family: int | None = None,
+               type: int = socket.SOCK_STREAM) -> Any:
+        default = socket.AF_INET6 if self.family == 6 else socket.AF_INET
+        return self.lab.socket(src, family or default, type)
+
+
+over_both_families = pytest.mark.parametrize(
+    "family", FAMILIES, indirect=True, ids=[f"ipv{f}" for f in FAMILIES])
+"""A verdict test's mark: run it over IPv4, and over IPv6 in a dual-stack lab.
+
+The ``family`` fixture (tests/lab/conftest.py) is 4 for unmarked tests, so
+they keep their single-stack labs and their ids."""
+
 
 def in_every_proxy_mode() -> Any:
     """A module's ``lab_factory`` override: each of its tests once per proxy mode.
 
     ``lab_factory = in_every_proxy_mode()`` in a test module; the factory it
     gives adds ``--proxy-mode <mode>`` to every ``kpx node`` and says which
-    (``mode_of``).
+    (``mode_of``). A test marked ``over_both_families`` also runs over IPv6:
+    its lab is dual-stack and it sees the lab through ``FamilyLab``.
     """
     @pytest.fixture(params=PROXY_MODES)
-    def lab_factory(request: pytest.FixtureRequest,
-                    lab_factory: Callable[..., Lab]) -> Callable[..., Lab]:
+    def lab_factory(request: pytest.FixtureRequest, lab_factory: Callable[..., Lab],
+                    family: int) -> Callable[..., Any]:
         mode: str = request.param
 
-        def make(spec: Any = None, **kw: Any) -> Lab:
+        def make(spec: Any = None, **kw: Any) -> Any:
             args = [*kw.pop("extra_proxy_args", ()), "--proxy-mode", mode]
+            if family == 6:
+                return FamilyLab(lab_factory(spec, extra_proxy_args=args, dual_stack=True,
+                                             **kw), 6)
             return lab_factory(spec, extra_proxy_args=args, **kw)
 
         make.mode = mode  # type: ignore[attr-defined]
+        make.family = family  # type: ignore[attr-defined]
         return make
 
     return lab_factory
@@ -228,3 +290,8 @@ def in_every_proxy_mode() -> Any:
 
 def mode_of(lab_factory: Callable[..., Lab]) -> str:
     return str(getattr(lab_factory, "mode", "userspace"))
+
+
+def family_of_factory(lab_factory: Callable[..., Any]) -> int:
+    """The IP family (4 or 6) a ``lab_factory`` from ``in_every_proxy_mode`` tests."""
+    return int(getattr(lab_factory, "family", 4))

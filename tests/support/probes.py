@@ -13,6 +13,9 @@ same with one UDP datagram per target: replies and ICMP, or silence.
 Also: ``ss_listening`` (LISTEN sockets, ``ss -ltnH``) and ``ss_drops`` (a
 listener's drop counter, ``ss -m``), optionally inside a namespace.
 
+Targets may be IPv4 or IPv6 (``ip`` with a colon), mixed in one probe;
+ICMPv6 errors are reported like ICMP ones (``PORT_UNREACHABLE``).
+
 Never: import scapy outside the probe process.
 """
 
@@ -108,6 +111,9 @@ def ss_drops(port: int, netns: str) -> int:
 
 # ------------------------------------------------------------ the probe process
 
+PORT_UNREACHABLE = {4: "3/3", 6: "1/4"}
+"""How ``udp_answers`` spells a rejected port per family: ICMP 3/3, ICMPv6 1/4."""
+
 _SPORTS = range(20000, 30000)
 """Source ports below the ephemeral range: no real socket of ours can own them."""
 
@@ -118,7 +124,8 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     import time
 
     from scapy.all import ICMP, IP, TCP, UDP, AsyncSniffer, IPerror, conf  # type: ignore[attr-defined]
-    from scapy.supersocket import L3RawSocket
+    from scapy.layers.inet6 import IPerror6, IPv6, _ICMPv6Error
+    from scapy.supersocket import L3RawSocket, L3RawSocket6
 
     conf.verb = 0
     targets = [tuple(t) for t in json.loads(argv[0])]
@@ -130,23 +137,33 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     seen: dict[str, list[str]] = {f"{ip}:{port}": [] for ip, port in targets}
     icmp: list[str] = []
 
+    def net(p):  # the IPv4 or IPv6 header, whichever the packet has
+        return p[IP] if IP in p else p[IPv6] if IPv6 in p else None  # noqa: SIM401 - no .get
+
+    def error(p):  # an ICMP or ICMPv6 error, else None
+        return p[ICMP] if ICMP in p else p[_ICMPv6Error] if _ICMPv6Error in p else None  # noqa: SIM401
+
     def about(p) -> str:
         """The target an ICMP error is about: the quoted datagram's destination.
 
         Not the ICMP's source: an error made in prerouting (an nft ``reject``
         for a VIP) leaves from the node's address toward the client.
         """
-        return p[IPerror].dst if IPerror in p else p[IP].src
+        for quoted in (IPerror, IPerror6):
+            if quoted in p:
+                return p[quoted].dst
+        return net(p).src
 
     def keep(p) -> bool:
-        if IP not in p:
+        header = net(p)
+        if header is None:
             return False
-        if ICMP in p:
+        if error(p) is not None:
             return about(p) in ips
-        if p[IP].src not in ips:
+        if header.src not in ips:
             return False  # our own SYNs, and the kernel's RST to any SYN-ACK, are ignored
         l4 = UDP if udp else TCP
-        return l4 in p and (p[IP].src, p[l4].sport, p[l4].dport) in want
+        return l4 in p and (header.src, p[l4].sport, p[l4].dport) in want
 
     started = threading.Event()
     sniffer = AsyncSniffer(iface=iface, store=True, lfilter=keep,
@@ -154,26 +171,33 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     sniffer.start()
     if not started.wait(10):
         sys.exit("sniffer did not start")
-    raw = L3RawSocket()
+    raws = {4: L3RawSocket(), 6: L3RawSocket6()}
     try:
         for (ip, port, sp) in want:
+            v6 = ":" in ip
+            header = IPv6(dst=ip) if v6 else IP(dst=ip)
             if udp:
-                raw.send(IP(dst=ip) / UDP(sport=sp, dport=port) / b"WHO")
+                packet = header / UDP(sport=sp, dport=port) / b"WHO"
             else:
-                raw.send(IP(dst=ip) / TCP(sport=sp, dport=port, flags="S",
-                                          seq=random.getrandbits(32)))
+                packet = header / TCP(sport=sp, dport=port, flags="S",
+                                      seq=random.getrandbits(32))
+            raws[6 if v6 else 4].send(packet)
     finally:
-        raw.close()
+        for raw in raws.values():
+            raw.close()
     time.sleep(window)  # the observation window: silence is the thing measured
     sniffer.stop()
     for p in sniffer.results or []:
-        if ICMP in p:
-            icmp.append(f"{about(p)} {p[ICMP].type}/{p[ICMP].code}")
-        elif udp:
-            seen[want[(p[IP].src, p[UDP].sport, p[UDP].dport)]].append(
+        err = error(p)
+        if err is not None:
+            icmp.append(f"{about(p)} {err.type}/{err.code}")
+            continue
+        src = net(p).src
+        if udp:
+            seen[want[(src, p[UDP].sport, p[UDP].dport)]].append(
                 bytes(p[UDP].payload).decode(errors="replace"))
         else:
-            seen[want[(p[IP].src, p[TCP].sport, p[TCP].dport)]].append(str(p[TCP].flags))
+            seen[want[(src, p[TCP].sport, p[TCP].dport)]].append(str(p[TCP].flags))
     print(json.dumps({"udp" if udp else "tcp": seen, "icmp": icmp}))
 
 
