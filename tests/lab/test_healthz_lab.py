@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import Any
 
@@ -88,3 +89,46 @@ def test_hc_port_refuses_after_switching_to_cluster(
     port = lab.node_port("default/web")
     for node in lab.nodes:
         assert lab.request("client", lab.node_ip(node), port)["pod"] == "web-1"
+
+
+def test_a_dual_stack_service_is_reached_over_both_families_and_checked_on_each(
+    lab_factory: Callable[..., Any], one_pod_spec: Callable[..., dict[str, Any]]
+) -> None:
+    """Issue 14: a PreferDualStack LB service (eTP=Local, its pod on node1), both families at once.
+
+    The LB's two fronts forward through node1, each keeping the client's
+    address of its family, while the other family's requests are in flight.
+    Each node's one healthCheckNodePort server answers over each family with
+    that family's local endpoints: 200 on node1, 503 elsewhere. A second,
+    IPv4-only service has no IPv6 endpoint anywhere, so node1 answers its
+    check 200 over IPv4 and 503 over IPv6: the per-family answer kpx chose
+    for kubernetes#114702 (README), which a union of the families would not give.
+    """
+    spec = one_pod_spec(etp="Local", node="node1", lb=True)
+    only4 = copy.deepcopy(spec["services"][0])
+    only4["metadata"]["name"] = "web4"
+    only4["spec"]["ipFamilyPolicy"] = "SingleStack"
+    spec["services"].append(only4)
+    lab = lab_factory(spec, dual_stack=True)
+    client = {4: str(lab.client_ip), 6: lab.client_ip(6)}
+
+    def through_lb(family: int) -> list[str]:
+        ip, port = lab.lb_address(family)
+        return [lab.request("client", ip, port)["peer"].rsplit(":", 1)[0] for _ in range(10)]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        peers = dict(zip((4, 6), pool.map(through_lb, (4, 6)), strict=True))
+    for family, seen in peers.items():
+        assert seen == [client[family]] * 10, (family, seen)
+
+    def check(node: str, key: str, family: int) -> tuple[int, int]:
+        status, body = lab.http_get("client", lab.node_ip(node, family), lab.hc_port(key),
+                                    "/healthz", timeout=2.0)
+        return status, json.loads(body)["localEndpoints"]
+
+    for family in (4, 6):
+        assert check("node1", "default/web", family) == (200, 1), family
+        for node in ("node2", "node3"):
+            assert check(node, "default/web", family) == (503, 0), (node, family)
+    assert check("node1", "default/web4", 4) == (200, 1)
+    assert check("node1", "default/web4", 6) == (503, 0)
