@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
