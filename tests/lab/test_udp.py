@@ -25,17 +25,19 @@ import pytest
 
 from lab import Lab, netns
 from lab.common import wait_until
+from lab.probes import family_of
 from tests.support.labkit import (
     CLIENT_IP,
     POD_PORT,
     generations,
     in_every_proxy_mode,
     mode_of,
+    over_both_families,
     service,
     wait_applied,
     wait_log,
 )
-from tests.support.probes import udp_answers
+from tests.support.probes import PORT_UNREACHABLE, udp_answers
 
 pytestmark = pytest.mark.lab
 
@@ -72,7 +74,7 @@ def ask(lab: Lab, src: str, to: tuple[str, int], data: bytes = b"WHO", *,
         ) -> tuple[bytes, tuple[str, int]] | None:
     """One datagram from ``src`` (or on ``sock``), and its reply with the reply's source."""
     own = sock is None
-    s = sock or netns.socket_in(lab.ns(src), socket.AF_INET, socket.SOCK_DGRAM)
+    s = sock or netns.socket_in(lab.ns(src), family_of(to[0]), socket.SOCK_DGRAM)
     try:
         s.settimeout(timeout)
         s.sendto(data, to)
@@ -97,6 +99,7 @@ def peer_ip(reply: dict[str, Any]) -> str:
     return str(reply["peer"]).rsplit(":", 1)[0]
 
 
+@over_both_families
 def test_cluster_through_every_node_keeps_the_client_ip_only_on_the_pods_node(
         lab_factory: LabFactory) -> None:
     """Tests 1 and 3's sibling: Cluster, and the ClusterIP from a pod, answered from the VIP."""
@@ -107,7 +110,7 @@ def test_cluster_through_every_node_keeps_the_client_ip_only_on_the_pods_node(
         reply, source = who(lab, "client", (ip, np))
         assert reply["pod"] == "web-1" and reply["proto"] == "udp"
         assert source == (ip, np), "the reply must come from the address the client used"
-        expected = CLIENT_IP if node == "node1" else ip  # same node: kept; cross-node: SNAT
+        expected = lab.client_ip if node == "node1" else ip  # same node: kept; cross: SNAT
         assert peer_ip(reply) == expected, (node, reply)
     cip = lab.cluster_ip(KEY)
     wait_until(lambda: ask(lab, "c2", (cip, 53)) is not None, 5.0)
@@ -116,36 +119,41 @@ def test_cluster_through_every_node_keeps_the_client_ip_only_on_the_pods_node(
     assert peer_ip(reply) == lab.pod_ip("c2")  # a pod keeps its IP on a cross-node hop
 
 
+@over_both_families
 def test_local_keeps_the_client_ip_and_other_nodes_stay_silent(
-        lab_factory: LabFactory) -> None:
+        lab_factory: LabFactory, family: int) -> None:
     """Test 2: eTP=Local. node1 answers with the client's IP; node2 and node3 drop, no ICMP."""
     lab = lab_factory(spec({"web-1": "node1"}, dns("Local", type="LoadBalancer")))
     np = lab.node_port(KEY, "dns")
     reply, _ = who(lab, "client", (lab.node_ip("node1"), np))
-    assert peer_ip(reply) == CLIENT_IP
+    assert peer_ip(reply) == lab.client_ip
     targets = [(lab.node_ip(n), np) for n in ("node1", "node2", "node3")]
     replies, icmp = udp_answers(lab.ns("client"), targets, window=SILENCE)
     assert len(replies[f"{targets[0][0]}:{np}"]) == 1
     for ip, port in targets[1:]:
         assert replies[f"{ip}:{port}"] == [], "a dropped datagram got a reply"
     assert icmp == [], f"a dropped datagram must get no ICMP: {icmp}"
-    # The node's own traffic still gets Cluster semantics.
-    reply, _ = who(lab, "node2", ("127.0.0.1", np))
+    # The node's own traffic still gets Cluster semantics (over IPv6 from its own
+    # address: ::1 is no NodePort, and is refused).
+    reply, _ = who(lab, "node2", ("127.0.0.1" if family == 4 else lab.node_ip("node2"), np))
     assert reply["pod"] == "web-1"
+    if family == 6:
+        assert ask(lab, "node2", ("::1", np), timeout=0.5) is None
 
 
-def test_no_endpoints_gives_icmp_port_unreachable(lab_factory: LabFactory) -> None:
+@over_both_families
+def test_no_endpoints_gives_icmp_port_unreachable(lab_factory: LabFactory, family: int) -> None:
     """Test 3: no endpoint anywhere, on the NodePort and on the ClusterIP (from a pod)."""
     lab = lab_factory(spec({}, dns("Cluster")))
     np, cip = lab.node_port(KEY, "dns"), lab.cluster_ip(KEY)
     node1 = lab.node_ip("node1")
     replies, icmp = udp_answers(lab.ns("client"), [(node1, np)], window=1.0)
     assert replies[f"{node1}:{np}"] == []
-    assert f"{node1} 3/3" in icmp, icmp
+    assert f"{node1} {PORT_UNREACHABLE[family]}" in icmp, icmp
     # The guard is in place: the relay's VIP steering, or nfqueue mode's table.
     wait_log(lab, "node2", "rules in force" if nfqueue(lab_factory) else "service VIPs in force")
     replies, icmp = udp_answers(lab.ns("c2"), [(cip, 53)], window=1.0)
-    assert f"{cip} 3/3" in icmp, icmp
+    assert f"{cip} {PORT_UNREACHABLE[family]}" in icmp, icmp
 
 
 def test_replies_come_from_the_exact_address_on_a_node_with_two(

@@ -124,7 +124,14 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     import time
 
     from scapy.all import ICMP, IP, TCP, UDP, AsyncSniffer, IPerror, conf  # type: ignore[attr-defined]
-    from scapy.layers.inet6 import IPerror6, IPv6, _ICMPv6Error
+    from scapy.layers.inet6 import (
+        ICMPv6DestUnreach,
+        ICMPv6PacketTooBig,
+        ICMPv6ParamProblem,
+        ICMPv6TimeExceeded,
+        IPerror6,
+        IPv6,
+    )
     from scapy.supersocket import L3RawSocket, L3RawSocket6
 
     conf.verb = 0
@@ -140,8 +147,13 @@ def _main(argv: list[str]) -> None:  # pragma: no cover - runs inside a namespac
     def net(p):  # the IPv4 or IPv6 header, whichever the packet has
         return p[IP] if IP in p else p[IPv6] if IPv6 in p else None  # noqa: SIM401 - no .get
 
-    def error(p):  # an ICMP or ICMPv6 error, else None
-        return p[ICMP] if ICMP in p else p[_ICMPv6Error] if _ICMPv6Error in p else None  # noqa: SIM401
+    icmp6_errors = (ICMPv6DestUnreach, ICMPv6PacketTooBig, ICMPv6TimeExceeded,
+                    ICMPv6ParamProblem)
+
+    def error(p):  # an ICMP or ICMPv6 error, else None (``in`` matches exact layers only)
+        if ICMP in p:
+            return p[ICMP]
+        return next((p[kind] for kind in icmp6_errors if kind in p), None)
 
     def about(p) -> str:
         """The target an ICMP error is about: the quoted datagram's destination.
