@@ -35,6 +35,7 @@ from tests.support.labkit import (
     generations,
     in_every_proxy_mode,
     logs,
+    over_both_families,
     peer_ip,
     poll_change,
     service,
@@ -158,10 +159,11 @@ def vip_routes(lab: Lab, node: str) -> list[str]:
     return [ln.split()[1] for ln in out.splitlines() if ln.strip()]
 
 
-def vip_table(lab: Lab, node: str) -> str:
-    """kpx's nft table for VIPs in node's namespace, as ``nft list`` prints it ("" if absent)."""
+def vip_table(lab: Lab, node: str, family: int = 4) -> str:
+    """kpx's nft table for VIPs of ``family`` in node's namespace, as ``nft list`` prints it
+    ("" if absent)."""
     table = NFQ_TABLE if nfqueue_mode(lab, node) else NFT_TABLE
-    res = lab.run(node, ["nft", "list", "table", "ip", table])
+    res = lab.run(node, ["nft", "list", "table", "ip6" if family == 6 else "ip", table])
     return res.stdout if res.returncode == 0 else ""
 
 
@@ -176,12 +178,13 @@ def drop_all_count(listing: str) -> int:
 
 def vip_rules(lab: Lab, node: str, ip: str, port: int) -> list[str]:
     """What kpx's nft table in node holds for ip:port (served or dropped set elements)."""
-    return [ln for ln in vip_table(lab, node).splitlines() if f"{ip} . {port}" in ln]
+    family = 6 if ":" in ip else 4
+    return [ln for ln in vip_table(lab, node, family).splitlines() if f"{ip} . {port}" in ln]
 
 
-def node_addresses(lab: Lab, node: str) -> set[str]:
-    """Every IPv4 address configured in node's namespace."""
-    out = lab.run(node, ["ip", "-4", "-o", "addr", "show"]).stdout
+def node_addresses(lab: Lab, node: str, family: int = 4) -> set[str]:
+    """Every address of ``family`` configured in node's namespace."""
+    out = lab.run(node, ["ip", f"-{family}", "-o", "addr", "show"]).stdout
     return {ln.split()[3].split("/")[0] for ln in out.splitlines() if ln.strip()}
 
 
@@ -230,16 +233,18 @@ def assert_refused_at_once(lab: Lab, src: str, ip: str, port: int) -> None:
 # ------------------------------------------------------------------ 1. pod -> ClusterIP
 
 
+@over_both_families
 def test_a_pod_on_a_node_without_the_endpoint_reaches_a_cluster_policy_cluster_ip(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service(itp="Cluster")))
     cip = lab.cluster_ip("default/web")
-    assert cip.startswith("10.96.")
+    assert cip.startswith("fd00:10:96:" if ":" in lab.client_ip else "10.96.")
     for _ in range(3):
         reply = lab.request("c2", cip, 80)
         assert reply["pod"] == "web-1"
 
 
+@over_both_families
 def test_a_pod_on_a_node_without_the_endpoint_is_dropped_by_a_local_policy_cluster_ip(
         lab_factory: LabFactory) -> None:
     """iTP=Local, c2 on node2, the only endpoint on node1: the SYN is silently dropped.
@@ -252,6 +257,7 @@ def test_a_pod_on_a_node_without_the_endpoint_is_dropped_by_a_local_policy_clust
                    control=(lab.cluster_ip("default/open"), 80))
 
 
+@over_both_families
 def test_a_pod_on_the_endpoints_node_reaches_a_local_policy_cluster_ip(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service(itp="Local")))
@@ -263,6 +269,7 @@ def test_a_pod_on_the_endpoints_node_reaches_a_local_policy_cluster_ip(
 # ------------------------------------------------------------------ 2. node -> ClusterIP
 
 
+@over_both_families
 def test_a_node_process_is_dropped_by_a_local_policy_cluster_ip_without_a_local_endpoint(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service("web", itp="Local"),
@@ -273,20 +280,22 @@ def test_a_node_process_is_dropped_by_a_local_policy_cluster_ip_without_a_local_
     # DROP is a connect that times out (no RST) while kpx's drop rule on
     # node2 counts the SYN it ate.
     assert vip_rules(lab, "node2", cip, 80), "node2's table does not know the VIP"
-    eaten = dropped(lab, "node2")
+    family = 6 if ":" in cip else 4
+    eaten = dropped(lab, "node2", family)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         lab.request("node2", cip, 80, timeout=DROP_WINDOW)
     assert time.monotonic() - t0 >= DROP_WINDOW * 0.9
     # nfqueue mode flushes its counts every second.
-    wait_until(lambda: dropped(lab, "node2") > eaten, 3.0, what="kpx dropping the SYN")
+    wait_until(lambda: dropped(lab, "node2", family) > eaten, 3.0,
+               what="kpx dropping the SYN")
 
 
-def dropped(lab: Lab, node: str) -> int:
+def dropped(lab: Lab, node: str, family: int = 4) -> int:
     """SYNs node's kpx dropped for default/web: its nft rule's count (the relay), or its
     ``kubeproxy_kpx_connections_dropped_total`` (nfqueue mode drops by verdict)."""
     if not nfqueue_mode(lab, node):
-        return drop_all_count(vip_table(lab, node))
+        return drop_all_count(vip_table(lab, node, family))
     assert lab.metrics_port is not None
     status, raw = lab.http_get(node, "127.0.0.1", lab.metrics_port, "/metrics")
     body = raw.decode(errors="replace")
@@ -299,6 +308,7 @@ def dropped(lab: Lab, node: str) -> int:
 # ------------------------------------------------------------------ 3. refused
 
 
+@over_both_families
 def test_a_cluster_ip_port_nobody_declares_is_refused_at_once(lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service()))
     cip = lab.cluster_ip("default/web")
@@ -308,6 +318,7 @@ def test_a_cluster_ip_port_nobody_declares_is_refused_at_once(lab_factory: LabFa
     assert syn_probe(lab.ns("c2"), (cip, 81), (cip, 80)) == ["rst", "synack"]
 
 
+@over_both_families
 def test_a_cluster_ip_service_without_endpoints_is_refused_at_once(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service(), cluster_ip_service("empty",
@@ -322,6 +333,7 @@ def test_a_cluster_ip_service_without_endpoints_is_refused_at_once(
 # ------------------------------------------------------------------ 4. source addresses
 
 
+@over_both_families
 def test_a_cross_node_cluster_ip_hop_keeps_the_source_pods_ip(lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service()))
     reply = lab.request("c2", lab.cluster_ip("default/web"), 80)
@@ -329,6 +341,7 @@ def test_a_cross_node_cluster_ip_hop_keeps_the_source_pods_ip(lab_factory: LabFa
     assert peer_ip(reply) == lab.pod_ip("c2"), f"the backend saw {reply['peer']}"
 
 
+@over_both_families
 def test_a_pod_reaching_itself_through_its_service_sees_a_node_address(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service()))
@@ -336,8 +349,8 @@ def test_a_pod_reaching_itself_through_its_service_sees_a_node_address(
     assert reply["pod"] == "web-1"
     seen = peer_ip(reply)
     assert seen != lab.pod_ip("web-1"), "hairpin must not show the pod its own IP"
-    assert seen in node_addresses(lab, "node1"), \
-        f"hairpin peer {seen} is not an address of node1 {node_addresses(lab, 'node1')}"
+    mine = node_addresses(lab, "node1", 6 if ":" in seen else 4)
+    assert seen in mine, f"hairpin peer {seen} is not an address of node1 {mine}"
 
 
 # ------------------------------------------------------------------ 5. externalIPs
