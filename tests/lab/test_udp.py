@@ -27,7 +27,6 @@ from lab import Lab, netns
 from lab.common import wait_until
 from lab.probes import family_of
 from tests.support.labkit import (
-    CLIENT_IP,
     POD_PORT,
     generations,
     in_every_proxy_mode,
