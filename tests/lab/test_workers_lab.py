@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from lab.common import wait_until
+from tests.support.labkit import FamilyLab, over_both_families
 
 pytestmark = pytest.mark.lab
 
@@ -49,10 +50,15 @@ def _worker_pids(lab: Any, node: str) -> list[int]:
     return [int(p) for p in out]
 
 
+@over_both_families
 def test_affinity_holds_across_workers_and_plain_traffic_spreads(
-    lab_factory: Callable[..., Any],
+    lab_factory: Callable[..., Any], family: int,
 ) -> None:
-    lab = lab_factory(_three_pods(affinity=True), extra_proxy_args=("--workers", "2"))
+    """Over IPv6 too: the workers' IPv6 listeners are steered by the IPv6 source."""
+    lab = lab_factory(_three_pods(affinity=True), extra_proxy_args=("--workers", "2"),
+                      dual_stack=family == 6)
+    if family == 6:
+        lab = FamilyLab(lab, 6)
     assert len(_worker_pids(lab, "node1")) == 2
     ip, port = lab.node_ip("node1"), lab.node_port("default/web")
 
@@ -60,7 +66,7 @@ def test_affinity_holds_across_workers_and_plain_traffic_spreads(
     # node itself moves exactly one worker's cursor, so the two workers would
     # pick different pods for the client: only steering by client IP keeps
     # all of the client's connections on one worker, hence on one pod.
-    lab.request("node1", "127.0.0.1", port)
+    lab.request("node1", "127.0.0.1" if family == 4 else lab.node_ip("node1"), port)
     pods = Counter(lab.request("client", ip, port)["pod"] for _ in range(15))
     assert len(pods) == 1, f"affinity broke across workers: {dict(pods)}"
 
