@@ -371,7 +371,8 @@ def family_ratio(table: CellTable, path: str, metric: str, num: str, den: str,
 
 def family_ratios(table: CellTable) -> list[FamilyRatio]:
     """Every ``FAMILY_PAIRS`` x ``FAMILY_METRICS`` on every path that ran over IPv6,
-    where either side was measured in either family."""
+    where its subject (kpx, kpx-nfq) ran in either family: a contender not asked
+    for gets no rows."""
     out = []
     for p in table.paths():
         if p is None or split_family(p)[1] != 6:
@@ -380,8 +381,7 @@ def family_ratios(table: CellTable) -> list[FamilyRatio]:
         for num, den in FAMILY_PAIRS:
             for m in FAMILY_METRICS:
                 wl = METRICS[m].workload
-                if not any(table.get(q, wl, who) is not None
-                           for q in (base, p) for who in (num, den)):
+                if not any(table.get(q, wl, num) is not None for q in (base, p)):
                     continue
                 out.append(family_ratio(table, base, m, num, den))
     return out
