@@ -24,6 +24,7 @@ spawning goroutines, asyncio needs an explicit bound.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections import OrderedDict
@@ -101,6 +102,30 @@ def go_not_found() -> GoResponse:
         [("Content-Type", "text/plain; charset=utf-8"), ("X-Content-Type-Options", "nosniff")],
         NOT_FOUND_BODY,
     )
+
+
+IPV4 = "IPv4"
+IPV6 = "IPv6"
+
+
+def arrival_family(request: BaseRequest) -> str:
+    """``"IPv4"`` or ``"IPv6"``: the family of the address the request arrived on.
+
+    Read from the connection's local address, so it is the family the client
+    reached the node over. An IPv4 client of a dual-stack socket (``::`` with
+    ``IPV6_V6ONLY`` off) shows as ``::ffff:a.b.c.d`` and counts as IPv4, as
+    it is IPv4 on the wire. No address (a transport already gone) is IPv4.
+    """
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if not isinstance(sockname, tuple) or not sockname or ":" not in str(sockname[0]):
+        return IPV4
+    host = str(sockname[0]).partition("%")[0]
+    try:
+        addr = ipaddress.IPv6Address(host)
+    except ValueError:
+        return IPV6
+    return IPV4 if addr.ipv4_mapped is not None else IPV6
 
 
 class _Connection(RequestHandler):
@@ -222,17 +247,25 @@ class GuardedServer(web.Server):
         self._deadlines.clear()
 
 
-def bind_listen(host: str, port: int) -> socket.socket:
+def bind_listen(host: str, port: int, v6only: bool | None = None) -> socket.socket:
     """A non-blocking TCP socket listening on ``host:port``, or ``OSError``.
 
     ``SO_REUSEADDR`` (as Go sets it) lets a port be re-bound while old
     connections sit in TIME_WAIT, but still fails while another socket is
     listening there, which is exactly the conflict that must be reported.
+
+    ``v6only`` sets ``IPV6_V6ONLY`` on an IPv6 socket (ignored for IPv4):
+    ``True`` when an IPv4 socket on the same port serves IPv4 (else ``::`` and
+    ``0.0.0.0`` collide on one port, kubernetes#114702), ``False`` for one
+    socket serving both families as Go's wildcard listeners do, ``None`` to
+    keep the kernel's default (``net.ipv6.bindv6only``).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and v6only is not None:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
         sock.bind((host, port))
         sock.listen(BACKLOG)
         sock.setblocking(False)
@@ -284,15 +317,18 @@ class HttpListener:
         """Closed, and no pending start still holds a socket."""
         return self._closed and (self._task is None or self._task.done())
 
-    def open(self, endpoints: Sequence[tuple[str, int]]) -> None:
-        """Bind and listen on every ``(host, port)``; all or nothing."""
+    def open(self, endpoints: Sequence[tuple[str, int]], *, v6only: bool | None = None) -> None:
+        """Bind and listen on every ``(host, port)``; all or nothing.
+
+        ``v6only`` applies to the IPv6 endpoints (``bind_listen``).
+        """
         loop = asyncio.get_running_loop()
         if self._task is not None:
             raise RuntimeError(f"{self.name}: already opened")
         socks: list[socket.socket] = []
         try:
             for host, port in endpoints:
-                socks.append(bind_listen(host, port))
+                socks.append(bind_listen(host, port, v6only))
         except BaseException:
             for s in socks:
                 s.close()

@@ -7,8 +7,18 @@ for byte what kube-proxy writes, on every path and for every method.
 Its whole input is two calls of plain data, as kube-proxy's
 ``ServiceHealthServer`` has: ``sync_services({"ns/name": port}, hosts)``
 (which services need a health check, on which port and addresses) and
-``sync_endpoints({"ns/name": local ready count})``. The proxier computes
-both from each snapshot, once (``proxy.core.sync``).
+``sync_endpoints({"ns/name": local ready count}, {IPv6 counts})``. The
+proxier computes both from each snapshot, once (``proxy.core.sync``).
+
+Both IP families, one server (kubernetes#114702): upstream runs one health
+server per family's proxier and both bind the same ``healthCheckNodePort``,
+so one loses with "address already in use". Here one server per service
+listens on the hosts of both families (an IPv6 socket sets ``IPV6_V6ONLY``,
+so ``::`` and ``0.0.0.0`` share the port), and a request is answered with the
+``localEndpoints`` and proxy health of the family it *arrived on*: an IPv6
+load balancer's check must say whether IPv6 traffic to this node would be
+forwarded. A union would answer 200 to an IPv6 check on a node with only
+IPv4 endpoints, whose IPv6 traffic is dropped.
 
 Never: look at a snapshot or decide which services need a check or how many
 endpoints are local; raise out of a sync (one service's bad port must not
@@ -35,11 +45,14 @@ from prometheus_client import Gauge
 from healthz.http import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
+    IPV4,
+    IPV6,
     GoResponse,
     HttpListener,
+    arrival_family,
     go_response,
 )
-from healthz.proxy_health import ProxyHealth
+from healthz.proxy_health import ProxyHealth, family_name
 from healthz.registry import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -52,6 +65,8 @@ HEALTHCHECK_LISTENERS = Gauge(
 )
 
 ALL_ADDRESSES = "0.0.0.0"
+ALL_ADDRESSES6 = "::"
+"""Every local IPv6 address: a host ``sync_services`` may be given beside ``0.0.0.0``."""
 
 _GO_ESCAPES = {
     "\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n",
@@ -106,6 +121,9 @@ class _HealthCheck:
     hosts: tuple[str, ...]
     health: ProxyHealth
     count: int = 0
+    """Local ready endpoints of the IPv4 family."""
+    count6: int = 0
+    """Local ready endpoints of the IPv6 family (0 on a node without IPv6)."""
     listener: HttpListener | None = None
     error: str | None = field(default=None)
 
@@ -114,9 +132,14 @@ class _HealthCheck:
         return f"{self.namespace}/{self.name}"
 
     def answer(self, request: BaseRequest) -> GoResponse:
-        """Every path, every method: the same answer (kube-proxy has no mux here)."""
-        count = self.count
-        healthy = self.health.healthy()
+        """Every path, every method: the same answer (kube-proxy has no mux here).
+
+        The count and health are those of the family the request arrived
+        on (module doc): each family's proxier answers for itself.
+        """
+        family = arrival_family(request)
+        count = self.count6 if family == IPV6 else self.count
+        healthy = self.health.healthy(family)
         return go_response(
             200 if count > 0 and healthy else 503,
             [
@@ -161,6 +184,7 @@ class ServiceHealthServer:
         self._ports: dict[str, int] = {}
         self._hosts: tuple[str, ...] = (ALL_ADDRESSES,)
         self._counts: Mapping[str, int] = {}
+        self._counts6: Mapping[str, int] = {}
         self._retry: asyncio.TimerHandle | None = None
         self._closing: list[HttpListener] = []
         self._started = False
@@ -180,9 +204,12 @@ class ServiceHealthServer:
         """``ns/name`` -> last bind error, for services waiting for a retry."""
         return {key: c.error for key, c in self._checks.items() if c.error is not None}
 
-    def local_endpoints(self, key: str) -> int | None:
+    def local_endpoints(self, key: str, family: str = IPV4) -> int | None:
+        """The count ``key``'s check answers ``family`` with, or ``None`` without a check."""
         check = self._checks.get(key)
-        return None if check is None else check.count
+        if check is None:
+            return None
+        return check.count6 if family_name(family) == IPV6 else check.count
 
     # -- the two syncs -------------------------------------------------------
 
@@ -190,7 +217,9 @@ class ServiceHealthServer:
         """Serve health checks for exactly ``ports`` (``ns/name`` -> port) on ``hosts``.
 
         kube-proxy's ``SyncServices``. ``hosts`` are the addresses
-        ``--nodeport-addresses`` selects (``0.0.0.0`` for all). Never raises.
+        ``--nodeport-addresses`` selects, of both families: ``0.0.0.0`` for
+        every IPv4 address, ``::`` for every IPv6 one, or specific addresses.
+        Each service's one server listens on all of them. Never raises.
         """
         if self._stopped:
             return
@@ -203,16 +232,22 @@ class ServiceHealthServer:
         except Exception:
             log.exception("healthcheck sync of %d services failed", len(self._ports))
 
-    def sync_endpoints(self, local_ready: Mapping[str, int]) -> None:
-        """Set each service's local ready endpoint count (``ns/name`` -> count).
+    def sync_endpoints(
+        self, local_ready: Mapping[str, int], local_ready6: Mapping[str, int] | None = None
+    ) -> None:
+        """Set each service's local ready endpoint counts (``ns/name`` -> count), per family.
 
         kube-proxy's ``SyncEndpoints``: counts of services without a health
         check are kept for when one is asked for, and a service missing here
-        counts 0.
+        counts 0. ``local_ready`` answers requests that arrive over IPv4,
+        ``local_ready6`` those over IPv6; ``None`` (a node without IPv6)
+        answers them 0, since this node forwards no IPv6 traffic.
         """
         self._counts = local_ready
+        self._counts6 = local_ready6 if local_ready6 is not None else {}
         for key, check in self._checks.items():
             check.count = local_ready.get(key, 0)
+            check.count6 = self._counts6.get(key, 0)
 
     def start(self) -> None:
         """Begin serving: bind what the syncs so far asked for. Call on the loop."""
@@ -247,6 +282,7 @@ class ServiceHealthServer:
                     hosts=hosts,
                     health=self.health,
                     count=self._counts.get(key, 0),
+                    count6=self._counts6.get(key, 0),
                 )
                 self._checks[key] = check
             if check.listener is not None and check.listener.closed:
@@ -273,7 +309,9 @@ class ServiceHealthServer:
             header_timeout=self.header_timeout,
         )
         try:
-            listener.open([(host, check.port) for host in check.hosts])
+            # V6ONLY: an IPv6 wildcard must not also claim the IPv4 port
+            # that 0.0.0.0 takes in the same call (kubernetes#114702).
+            listener.open([(host, check.port) for host in check.hosts], v6only=True)
         except OSError as exc:
             self._failed(check, f"{exc.strerror or exc} (errno {exc.errno})")
             return

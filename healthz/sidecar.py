@@ -14,6 +14,14 @@ its healthz port is busy, and so does kpx.
 ``kpx node`` runs a ``Sidecar`` beside its dataplane; ``kpx healthz``
 (``proxy.commands.healthz``) runs one alone, fed by the same sync with no
 dataplane.
+
+IPv6: kube-proxy's ``0.0.0.0:10256`` is a Go wildcard listener, which takes
+both families. kpx's default stays an IPv4 socket; a node that serves IPv6
+turns on ``serve_healthz_ipv6`` and gets a second socket, ``[::]`` on the same
+port with ``IPV6_V6ONLY``. A second socket rather than one ``[::]`` socket
+for both: it can be added when the Node's IPv6 address shows up in a later
+sync without the IPv4 port refusing for a moment, and a kernel without IPv6
+cannot take the IPv4 port down with it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from healthz.service_health import ServiceHealthServer
 log = logging.getLogger(__name__)
 
 HEALTHZ_PORT = 10256
+HEALTHZ6 = "healthz6"
+"""The listener name of the IPv6 ``/healthz`` socket (``serve_healthz_ipv6``)."""
 METRICS_PORT = 10249
 
 
@@ -71,6 +81,7 @@ class Sidecar:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         retry_interval: float = 5.0,
+        healthz_ipv6: bool = False,
     ) -> None:
         self.health = health
         self.healthz_bind = parse_bind_address(healthz_bind, HEALTHZ_PORT)
@@ -87,7 +98,9 @@ class Sidecar:
         self.node_health = NodeHealthServer(health)
         self.metrics = MetricsServer(proxy_mode=proxy_mode)
         self._listeners: dict[str, HttpListener] = {}
-        self._retries: list[asyncio.Task[None]] = []
+        self._retries: dict[str, asyncio.Task[None]] = {}
+        self._closing: list[HttpListener] = []
+        self._healthz_ipv6 = healthz_ipv6
         self._started = False
         self._stopped = False
 
@@ -108,8 +121,66 @@ class Sidecar:
         return self._bound("healthz")
 
     @property
+    def healthz_address6(self) -> tuple[str, int] | None:
+        """Where the IPv6 ``/healthz`` socket of ``serve_healthz_ipv6`` listens, if it does."""
+        return self._bound(HEALTHZ6)
+
+    @property
     def metrics_address(self) -> tuple[str, int] | None:
         return self._bound("metrics")
+
+    def serve_healthz_ipv6(self, on: bool) -> None:
+        """Also answer ``/healthz`` and ``/livez`` over IPv6 (``[::]``, same port), or stop.
+
+        For a node that serves IPv6, whose load balancers may probe its IPv6
+        address (module doc). Only a wildcard ``--healthz-bind-address``
+        (``0.0.0.0``) grows an IPv6 socket: a specific address is the
+        operator's choice, and ``[::]`` already follows the kernel's
+        ``bindv6only``. Before ``start`` this only records the wish. Call on
+        the loop; a busy port is retried in the background as the others are.
+        """
+        if self._stopped or on == self._healthz_ipv6:
+            return
+        self._healthz_ipv6 = on
+        if not self._started:
+            return
+        if on:
+            self._start_healthz6()
+        else:
+            self._close(HEALTHZ6)
+
+    def _healthz6_bind(self) -> tuple[str, int] | None:
+        if self.healthz_bind is None:
+            return None
+        host, port = self.healthz_bind
+        if host != "0.0.0.0":
+            log.info("healthz bound to %s only: not adding an IPv6 socket", host)
+            return None
+        if port == 0:  # the IPv4 socket's port, so both families share one
+            port = (self.healthz_address or (host, 0))[1]
+        return "::", port
+
+    def _start_healthz6(self) -> None:
+        bind = self._healthz6_bind()
+        if bind is not None:
+            self._open_or_retry(HEALTHZ6, bind, self.node_health.answer)
+
+    def _open_or_retry(self, name: str, bind: tuple[str, int], handler: Handler) -> None:
+        if not self._open(name, bind, handler, quiet=False):
+            self._retries[name] = asyncio.create_task(
+                self._retry_open(name, bind, handler), name=f"retry {name}"
+            )
+
+    def _close(self, name: str) -> None:
+        task = self._retries.pop(name, None)
+        if task is not None:
+            task.cancel()
+        listener = self._listeners.pop(name, None)
+        self._closing = [lst for lst in self._closing if not lst.settled]
+        if listener is not None:
+            listener.close()
+            self._closing.append(listener)
+            log.info("stopped serving %s", name)
 
     def _bound(self, name: str) -> tuple[str, int] | None:
         listener = self._listeners.get(name)
@@ -129,10 +200,9 @@ class Sidecar:
             if bind is None:
                 log.info("%s server disabled", name)
                 continue
-            if not self._open(name, bind, handler, quiet=False):
-                self._retries.append(
-                    asyncio.create_task(self._retry_open(name, bind, handler), name=f"retry {name}")
-                )
+            self._open_or_retry(name, bind, handler)
+        if self._healthz_ipv6:
+            self._start_healthz6()
         self.services.start()
 
     def _open(self, name: str, bind: tuple[str, int], handler: Handler, quiet: bool) -> bool:
@@ -143,7 +213,9 @@ class Sidecar:
             header_timeout=self.header_timeout,
         )
         try:
-            listener.open([bind])
+            # Only the added IPv6 healthz socket is V6ONLY (it shares the port
+            # with 0.0.0.0); a configured [::] keeps the kernel's default.
+            listener.open([bind], v6only=True if name == HEALTHZ6 else None)
         except OSError as exc:
             log.log(
                 logging.DEBUG if quiet else logging.ERROR,
@@ -159,18 +231,21 @@ class Sidecar:
         while not self._stopped:
             await asyncio.sleep(self.retry_interval)
             if not self._stopped and self._open(name, bind, handler, quiet=True):
+                self._retries.pop(name, None)
                 return
 
     async def stop(self) -> None:
         """Close every listener; afterwards every port of this sidecar refuses."""
         self._stopped = True
-        for task in self._retries:
+        retries = list(self._retries.values())
+        for task in retries:
             task.cancel()
-        await asyncio.gather(*self._retries, return_exceptions=True)
+        await asyncio.gather(*retries, return_exceptions=True)
         self._retries.clear()
         for listener in self._listeners.values():
             listener.close()
         await self.services.stop()
-        for listener in self._listeners.values():
+        for listener in [*self._listeners.values(), *self._closing]:
             await listener.wait_closed()
         self._listeners.clear()
+        self._closing.clear()

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 WILDCARD = "0.0.0.0"
+WILDCARD6 = "::"
 LOCALHOST = "127.0.0.1"
 
 
@@ -26,30 +27,39 @@ def parse_nodeport_addresses(text: str) -> list[Network]:
 
 
 def nodeport_addresses(
-    node_ips: Iterable[str], cidrs: Iterable[Network] | None, bind_localhost: bool = True
+    node_ips: Iterable[str], cidrs: Iterable[Network] | None, bind_localhost: bool = True,
+    family: int = 4,
 ) -> tuple[str, ...]:
-    """The addresses to listen on, as kube-proxy's iptables mode accepts NodePorts.
+    """The addresses of ``family`` to listen on, as kube-proxy's iptables mode accepts NodePorts.
 
-    Without CIDRs every local address serves NodePorts (``-m addrtype
-    --dst-type LOCAL``, 127.0.0.1 included): one wildcard socket per port
+    Each family's proxier reads only the CIDRs of its own family
+    (``NewNodePortAddresses``): with none of them, every local address of
+    the family serves NodePorts (``-m addrtype --dst-type LOCAL``, 127.0.0.1
+    included), and so does a CIDR of length 0. One wildcard socket per port
     says exactly that, and costs one fd instead of one per address, which is
     what lets 10,000 services fit a 20,000-fd limit. It also follows
-    addresses that come and go without a sync: nothing to rebind. An IPv4
-    CIDR of length 0 matches every local address too, so it means the same.
-    With other CIDRs, only the node IPs (and 127.0.0.1) inside them, in that
-    order. ``bind_localhost=False`` (no loopback NodePorts) cannot be said
-    with a wildcard, so it lists the node IPs.
+    addresses that come and go without a sync: nothing to rebind. With other
+    CIDRs, only the node IPs (and 127.0.0.1) inside them, in that order.
+    ``bind_localhost=False`` (no loopback NodePorts) cannot be said with a
+    wildcard, so it lists the node IPs.
+
+    IPv6 never serves ``::1``: iptables mode has no IPv6 localhost NodePorts
+    (there is no ``route_localnet`` for IPv6). Its wildcard is ``::``, and
+    the dataplane's IPv6 wildcard sockets turn ``::1`` away.
     """
-    nets = list(cidrs or ())
-    if bind_localhost and (
-        not nets or any(n.prefixlen == 0 and n.version == 4 for n in nets)
-    ):
-        return (WILDCARD,)
+    nets = [n for n in cidrs or () if n.version == family]
+    everywhere = not nets or any(n.prefixlen == 0 for n in nets)
     candidates = list(dict.fromkeys(node_ips))
-    if bind_localhost and LOCALHOST not in candidates:
-        candidates.append(LOCALHOST)
-    if not nets:
-        return tuple(candidates)
+    if family == 6:
+        if everywhere:
+            return (WILDCARD6,)
+    else:
+        if bind_localhost and everywhere:
+            return (WILDCARD,)
+        if bind_localhost and LOCALHOST not in candidates:
+            candidates.append(LOCALHOST)
+        if everywhere:
+            return tuple(candidates)
     out = []
     for a in candidates:
         try:

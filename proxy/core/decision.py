@@ -8,6 +8,11 @@ LoadBalancer ingress IP with ``ipMode: VIP``). A decision is data: it
 carries a human-readable reason so the dataplane can log exactly why, and
 tests can assert on it.
 
+A plan also serves one IP family. As kube-proxy runs one proxier per family,
+``build_plans`` builds one family's table: the services that have that family
+(``Service.serves``), their endpoints of that family, and their VIPs of that
+family. The rules below are the same in both.
+
 Never: touch sockets, clocks or logging. Time comes in as an argument and the
 only mutable thing a decision touches is the ``Balancer`` it is handed.
 
@@ -161,8 +166,9 @@ def build_plan(
     masquerade_all: bool = False,
     vip: str | None = None,
     internal: bool = False,
+    family: int = 4,
 ) -> PortPlan:
-    eps = service_port_endpoints(snapshot, service, port, node_name)
+    eps = service_port_endpoints(snapshot, service, port, node_name, family)
     cat = categorize_endpoints(eps, service)
     return PortPlan(
         service=service,
@@ -177,8 +183,8 @@ def build_plan(
     )
 
 
-def service_vips(service: Service) -> tuple[tuple[str, bool], ...]:
-    """``(vip, internal)`` for every address kpx intercepts for ``service``.
+def service_vips(service: Service, family: int = 4) -> tuple[tuple[str, bool], ...]:
+    """``(vip, internal)`` for every address of ``family`` kpx intercepts for ``service``.
 
     Its ClusterIP (internal: iTP applies), its externalIPs, and, for a
     LoadBalancer, each ingress IP whose ipMode is VIP: an ``ipMode: Proxy``
@@ -186,11 +192,14 @@ def service_vips(service: Service) -> tuple[tuple[str, bool], ...]:
     balancer (KEP-1860).
     """
     out: list[tuple[str, bool]] = []
-    if service.cluster_ip:
-        out.append((service.cluster_ip, True))
-    out += [(ip, False) for ip in service.external_ips]
+    cluster_ip = service.cluster_ip_of(family)
+    if cluster_ip:
+        out.append((cluster_ip, True))
+    v6 = family == 6
+    out += [(ip, False) for ip in service.external_ips if (":" in ip) == v6]
     if service.type == "LoadBalancer":
-        out += [(i.ip, False) for i in service.ingress if i.ip_mode == "VIP"]
+        out += [(i.ip, False) for i in service.ingress
+                if i.ip_mode == "VIP" and (":" in i.ip) == v6]
     # The API server keeps loopback and link-local addresses out of clusterIP
     # and externalIPs, not out of a load balancer's status: an address there
     # that would capture the node's own loopback or metadata traffic is never
@@ -199,7 +208,10 @@ def service_vips(service: Service) -> tuple[tuple[str, bool], ...]:
 
 
 def _interceptable(ip: str) -> bool:
-    """Not 0/8, loopback, link-local or multicast (the model holds IPv4 strings only)."""
+    """Not 0/8 or ::, loopback, link-local or multicast."""
+    if ":" in ip:
+        a = ipaddress.IPv6Address(ip)
+        return not (a.is_unspecified or a.is_loopback or a.is_link_local or a.is_multicast)
     first, second, _ = ip.split(".", 2)
     octet = int(first)
     return not (octet in (0, 127) or 224 <= octet <= 239 or (octet == 169 and second == "254"))
@@ -239,7 +251,7 @@ class PlanCache:
     __slots__ = ("_generation", "_inputs", "_plans_of", "_table", "built", "reused")
 
     def __init__(self) -> None:
-        self._inputs: tuple[str, bool, bool, str] | None = None
+        self._inputs: tuple[str, bool, bool, str, int] | None = None
         self._generation: int | None = None
         self._plans_of: dict[str, tuple[PortPlan, ...]] = {}
         """Service key -> its plans, for every proxied service of the last build."""
@@ -249,31 +261,32 @@ class PlanCache:
 
     def changed_since_last(
         self, snapshot: Snapshot, node_name: str, masquerade_all: bool, vips: bool = False,
-        protocol: str = "TCP",
+        protocol: str = "TCP", family: int = 4,
     ) -> frozenset[str] | None:
         """The service keys to rebuild for ``snapshot``, or None to rebuild all."""
-        if self._inputs != (node_name, masquerade_all, vips, protocol):
+        if self._inputs != (node_name, masquerade_all, vips, protocol, family):
             return None
         return snapshot.changes.relative_to(self._generation)
 
 
 def _service_plans(
     snapshot: Snapshot, node_name: str, service: Service, masquerade_all: bool, vips: bool,
-    protocol: str,
+    protocol: str, family: int = 4,
 ) -> tuple[PortPlan, ...]:
-    """``service``'s plans of one protocol: its NodePorts, then (``vips``) each port on each VIP."""
+    """``service``'s plans of one protocol and family: its NodePorts, then (``vips``) each
+    port on each VIP. None if the service does not have ``family``."""
     ports = [p for p in service.ports if p.protocol == protocol]
-    if not ports:  # most services, for UDP: no VIPs worked out for nothing
+    if not ports or not service.serves(family):  # most services, for UDP: nothing to work out
         return ()
     plans = [
-        build_plan(snapshot, node_name, service, port, masquerade_all)
+        build_plan(snapshot, node_name, service, port, masquerade_all, family=family)
         for port in ports
         if port.node_port
     ]
     if vips:
         plans += [
-            build_plan(snapshot, node_name, service, port, masquerade_all, vip, internal)
-            for vip, internal in service_vips(service)
+            build_plan(snapshot, node_name, service, port, masquerade_all, vip, internal, family)
+            for vip, internal in service_vips(service, family)
             for port in ports
         ]
     return tuple(plans)
@@ -286,8 +299,9 @@ def build_plans(
     cache: PlanCache | None = None,
     vips: bool = False,
     protocol: str = "TCP",
+    family: int = 4,
 ) -> dict[PlanKey, PortPlan]:
-    """The node's decision table for one protocol, keyed by nodePort or (VIP, port).
+    """The node's decision table for one protocol and family, keyed by nodePort or (VIP, port).
 
     TCP and UDP are two tables (a cache each), because the same port
     number may serve both, as in Kubernetes, and each goes to its own
@@ -296,11 +310,11 @@ def build_plans(
     and in the same order, either way.
     """
     changed = None if cache is None else cache.changed_since_last(
-        snapshot, node_name, masquerade_all, vips, protocol
+        snapshot, node_name, masquerade_all, vips, protocol, family
     )
     if changed is None:
         services = list(proxied_services(snapshot))
-        every = [_service_plans(snapshot, node_name, svc, masquerade_all, vips, protocol)
+        every = [_service_plans(snapshot, node_name, svc, masquerade_all, vips, protocol, family)
                  for svc in services]
         plans_of = dict(zip([svc.key for svc in services], every, strict=True))
         # From the list, not ``plans_of``: a hand-made snapshot may hold two
@@ -317,7 +331,7 @@ def build_plans(
             plans: tuple[PortPlan, ...] = ()
             if service is not None and service.type in PROXIED_TYPES:
                 plans = _service_plans(snapshot, node_name, service, masquerade_all, vips,
-                                       protocol)
+                                       protocol, family)
                 plans_of[key] = plans
                 built += 1
             if [p.table_key for p in old] != [p.table_key for p in plans]:
@@ -335,7 +349,7 @@ def build_plans(
             }
     if cache is None:
         return table
-    cache._inputs = (node_name, masquerade_all, vips, protocol)
+    cache._inputs = (node_name, masquerade_all, vips, protocol, family)
     cache._generation = snapshot.generation
     cache._plans_of, cache._table = plans_of, table
     cache.built, cache.reused = built, len(plans_of) - built
@@ -343,8 +357,8 @@ def build_plans(
 
 
 def is_node_source(client_ip: str, local_addresses: Collection[str]) -> bool:
-    """Traffic from the node itself: any of its addresses, or 127.0.0.0/8."""
-    return client_ip in local_addresses or client_ip.startswith("127.")
+    """Traffic from the node itself: any of its addresses, 127.0.0.0/8 or ::1."""
+    return client_ip in local_addresses or client_ip.startswith("127.") or client_ip == "::1"
 
 
 def _in_any(ip: str, nets: Collection[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
@@ -463,6 +477,7 @@ def decide_in_snapshot(
     balancer: Balancer | None = None,
     now: float = 0.0,
     masquerade_all: bool = False,
+    family: int = 4,
 ) -> Decision:
     """Convenience form of ``decide`` over a whole snapshot, for tests and tools."""
     svc = snapshot.service(service_key)
@@ -471,5 +486,7 @@ def decide_in_snapshot(
     port = next((p for p in svc.ports if p.name == port_name), None)
     if port is None:
         return Reject(f"{service_key} has no port {port_name!r}")
-    plan = build_plan(snapshot, node_name, svc, port, masquerade_all)
+    if not svc.serves(family):
+        return Reject(f"{service_key} has no IPv{family} family")
+    plan = build_plan(snapshot, node_name, svc, port, masquerade_all, family=family)
     return decide(plan, client_ip, local_addresses, balancer or Balancer(), now)

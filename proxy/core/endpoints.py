@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.core.model import Endpoint, Service, ServicePort, Snapshot
+from proxy.core.model import FAMILY_NAMES, Endpoint, Service, ServicePort, Snapshot
 
 
 class EndpointInfo(NamedTuple):
@@ -51,6 +51,9 @@ class EndpointInfo(NamedTuple):
         return (self.ip, self.port)
 
     def __str__(self) -> str:
+        """``ip:port``, or ``[ip]:port`` for IPv6, as Go's ``net.JoinHostPort`` writes it."""
+        if ":" in self.ip:
+            return f"[{self.ip}]:{self.port}"
         return f"{self.ip}:{self.port}"
 
 
@@ -79,16 +82,22 @@ def _filter(
 
 
 def service_port_endpoints(
-    snapshot: Snapshot, service: Service, port: ServicePort, node_name: str
+    snapshot: Snapshot, service: Service, port: ServicePort, node_name: str, family: int = 4
 ) -> tuple[EndpointInfo, ...]:
-    """All endpoints of one service port, deduplicated by ``ip:port``.
+    """All endpoints of one service port in one IP family, deduplicated by ``ip:port``.
+
+    Only the slices of ``family``'s address type count: each family's
+    proxier reads its own (kube-proxy's EndpointSliceCache is per family).
 
     A slice port matches the service port by name (both empty for a
     single-port service) and protocol. When slices disagree about one
     ``ip:port`` the non-terminating copy wins, as in EndpointSliceCache.
     """
     found: dict[tuple[str, int], EndpointInfo] = {}
+    address_type = FAMILY_NAMES[family]
     for sl in snapshot.slices_for(service):
+        if sl.address_type != address_type:
+            continue
         for sp in sl.ports:
             if sp.name != port.name or sp.protocol != port.protocol or sp.port == 0:
                 continue
@@ -139,8 +148,10 @@ def categorize_endpoints(
     return Categorized(cluster=cluster, local=local, has_any=has_any)
 
 
-def local_ready_counts(snapshot: Snapshot, node_name: str) -> Mapping[str, int]:
-    """Unique local *ready* endpoint IPs per Service (all ports merged).
+def local_ready_counts(
+    snapshot: Snapshot, node_name: str, family: int = 4
+) -> Mapping[str, int]:
+    """Unique local *ready* endpoint IPs of ``family`` per Service (all ports merged).
 
     This is the ``localEndpoints`` of the healthCheckNodePort answer.
     Terminating endpoints may still carry traffic but never count here, so a
@@ -148,6 +159,7 @@ def local_ready_counts(snapshot: Snapshot, node_name: str) -> Mapping[str, int]:
     Every health-checked service is present, with 0 when it has nothing here.
     """
     counts: dict[str, int] = {}
+    address_type = FAMILY_NAMES[family]
     for svc in snapshot.services:
         if not svc.needs_health_check:
             continue
@@ -156,6 +168,8 @@ def local_ready_counts(snapshot: Snapshot, node_name: str) -> Mapping[str, int]:
         # non-terminating one), and an endpoint under no usable port is absent.
         by_port: dict[tuple[str, str], dict[tuple[str, int], Endpoint]] = {}
         for sl in snapshot.slices_for(svc):
+            if sl.address_type != address_type:
+                continue
             for sp in sl.ports:
                 if sp.port == 0:
                     continue

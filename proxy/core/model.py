@@ -14,6 +14,7 @@ false), so no reader ever has to remember the nil rule again.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -25,6 +26,12 @@ TrafficPolicy = Literal["Cluster", "Local"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer", "ExternalName"]
 SessionAffinity = Literal["None", "ClientIP"]
 IPMode = Literal["VIP", "Proxy"]
+IPFamily = Literal["IPv4", "IPv6"]
+IPFamilyPolicy = Literal["SingleStack", "PreferDualStack", "RequireDualStack"]
+
+FAMILY_NAMES: dict[int, IPFamily] = {4: "IPv4", 6: "IPv6"}
+"""A family's number (4, 6, as ``ipaddress`` says) -> its Kubernetes name: an
+``ipFamilies`` entry, and the ``addressType`` of its EndpointSlices."""
 
 DEFAULT_AFFINITY_SECONDS = 10800
 """API-server default for sessionAffinityConfig.clientIP.timeoutSeconds."""
@@ -45,8 +52,24 @@ class Node:
 
     @property
     def ips(self) -> tuple[str, ...]:
-        """InternalIPs first, then ExternalIPs, without repeats."""
+        """InternalIPs first, then ExternalIPs, without repeats, of both families."""
         return tuple(dict.fromkeys(self.internal_ips + self.external_ips))
+
+    def ips_of(self, family: int) -> tuple[str, ...]:
+        """``ips`` of one family (4 or 6): what that family's proxier calls the node's.
+
+        IPv6 ones in their canonical text (``fd00::1``), the form a socket
+        reports a peer in, so that comparing strings compares addresses.
+        """
+        out: dict[str, None] = {}
+        for ip in self.ips:
+            try:
+                address = ipaddress.ip_address(ip)
+            except ValueError:
+                continue
+            if address.version == family:
+                out[str(address)] = None
+        return tuple(out)
 
     @property
     def eligible(self) -> bool:
@@ -67,12 +90,12 @@ class ServicePort:
 
 @dataclass(frozen=True, slots=True)
 class LoadBalancerIngress:
-    """One ``status.loadBalancer.ingress[]`` entry that has an IPv4 ``ip``.
+    """One ``status.loadBalancer.ingress[]`` entry that has an ``ip`` (either family).
 
     ``ip_mode`` is KEP-1860's ``ipMode``: ``VIP`` (also when absent) means the
     proxy may capture the address itself, ``Proxy`` that traffic must reach the
-    real load balancer. Hostname-only and IPv6 entries are not kept: kpx can
-    only intercept IPv4 addresses.
+    real load balancer. Hostname-only entries are not kept: kpx can only
+    intercept an address.
     """
 
     ip: str
@@ -98,7 +121,16 @@ class Service:
     external_ips: tuple[str, ...] = ()
     publish_not_ready_addresses: bool = False
     ingress: tuple[LoadBalancerIngress, ...] = ()
-    """A LoadBalancer's ``status.loadBalancer.ingress`` IPv4 entries, in order (else ())."""
+    """A LoadBalancer's ``status.loadBalancer.ingress`` entries with an IP, in order (else ())."""
+    cluster_ips: tuple[str, ...] = ()
+    """``spec.clusterIPs``: one per family, the primary first (``cluster_ip`` is the IPv4 one)."""
+    ip_families: tuple[IPFamily, ...] = ("IPv4",)
+    """``spec.ipFamilies``: the families the service has, so the proxiers that serve it.
+
+    kube-proxy's proxier of a family skips a service without a ClusterIP of
+    that family (``GetClusterIPByFamily``); the parser derives this from
+    ``clusterIPs`` when it can, else from ``ipFamilies``, else IPv4."""
+    ip_family_policy: IPFamilyPolicy = "SingleStack"
     key: str = field(init=False, repr=False, compare=False)
     """``namespace/name``: how kube-proxy and kpx name a service in logs.
 
@@ -108,6 +140,16 @@ class Service:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", f"{self.namespace}/{self.name}")
+
+    def serves(self, family: int) -> bool:
+        """Whether the proxier of ``family`` (4 or 6) serves this service at all."""
+        return FAMILY_NAMES[family] in self.ip_families
+
+    def cluster_ip_of(self, family: int) -> str | None:
+        """The ClusterIP of ``family``, or None."""
+        if family == 4:
+            return self.cluster_ip
+        return next((ip for ip in self.cluster_ips if ":" in ip), None)
 
     @property
     def externally_accessible(self) -> bool:

@@ -91,8 +91,8 @@ def split_response(raw: bytes) -> tuple[bytes, bytes]:
 
 
 def refuses(port: int, host: str = "127.0.0.1") -> bool:
-    """True iff a connect gets RST (ECONNREFUSED) right now."""
-    with socket.socket() as s:
+    """True iff a connect to ``host`` (either family) gets RST (ECONNREFUSED) right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.settimeout(2.0)
         try:
             s.connect((host, port))

@@ -24,7 +24,23 @@ def test_listen_addresses_follow_nodeport_cidrs() -> None:
     assert listen_addresses(ips, nets("10.0.0.0/8"), True) == ("10.0.0.5",)
     assert listen_addresses(ips, nets("127.0.0.0/8", "192.168.0.0/16"), True) == (
         "192.168.9.9", "127.0.0.1")
-    assert listen_addresses(ips, nets("fd00::/8"), True) == ()
+    # Each family reads only its own CIDRs (NewNodePortAddresses): none of
+    # IPv4's is every IPv4 address.
+    assert listen_addresses(ips, nets("fd00::/8"), True) == ("0.0.0.0",)
+    assert listen_addresses(ips, nets("fd00::/8", "10.0.0.0/8"), True) == ("10.0.0.5",)
+
+
+def test_ipv6_listen_addresses_never_include_loopback() -> None:
+    """The IPv6 proxier: ``::`` or its node IPs in its CIDRs; ``::1`` never (iptables mode)."""
+    nets = lambda *c: [ipaddress.ip_network(x) for x in c]  # noqa: E731
+    ips = ["fd00:a::5", "2001:db8::9"]
+    assert listen_addresses(ips, None, True, family=6) == ("::",)
+    assert listen_addresses(ips, None, False, family=6) == ("::",)
+    assert listen_addresses(ips, nets("10.0.0.0/8"), True, family=6) == ("::",)
+    assert listen_addresses(ips, nets("::/0"), True, family=6) == ("::",)
+    assert listen_addresses(ips, nets("fd00::/8"), True, family=6) == ("fd00:a::5",)
+    assert listen_addresses(ips, nets("::1/128", "2001:db8::/32"), True, family=6) == (
+        "2001:db8::9",)
 
 
 def test_nodeport_addresses_for_health_checks() -> None:

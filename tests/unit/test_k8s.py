@@ -155,8 +155,9 @@ def test_kubectl_list_service_fields(kubectl: Snapshot) -> None:
 
 
 def test_kubectl_list_slices(kubectl: Snapshot) -> None:
-    # The IPv6 slice, the headless service's slice and the orphan are gone.
-    assert [s.name for s in kubectl.slices] == ["web-x7k2p", "api-2xq9d"]
+    # The headless service's slice and the orphan are gone; the IPv6 slice is
+    # kept for the IPv6 family's plans.
+    assert [s.name for s in kubectl.slices] == ["web-x7k2p", "api-2xq9d", "web-v6-abcde"]
     web = kubectl.slices[0]
     assert web.service_key == "shop/web"
     assert web.trigger_time == 1714647601.0
@@ -351,10 +352,15 @@ def test_orphan_slices_are_dropped_and_order_does_not_matter() -> None:
     assert [s.name for s in snap.slices] == ["web-1"]
 
 
-@pytest.mark.parametrize("address_type", ["IPv6", "FQDN"])
-def test_non_ipv4_slices_are_dropped_unchecked(address_type: str) -> None:
-    sl = endpoint_slice(address_type=address_type, endpoints=[{"addresses": ["fd00::1"]}])
+def test_fqdn_slices_are_dropped_unchecked() -> None:
+    sl = endpoint_slice(address_type="FQDN", endpoints=[{"addresses": ["fd00::1"]}])
     assert parse_state(as_list(service(), sl)).slices == ()
+
+
+def test_ipv6_slices_are_kept_with_canonical_addresses() -> None:
+    sl = endpoint_slice(address_type="IPv6", endpoints=[{"addresses": ["FD00:0::0001"]}])
+    (kept,) = parse_state(as_list(service(), sl)).slices
+    assert kept.address_type == "IPv6" and kept.endpoints[0].address == "fd00::1"
 
 
 def test_address_type_defaults_to_ipv4() -> None:

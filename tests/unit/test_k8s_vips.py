@@ -1,8 +1,8 @@
 """proxy.k8s reads a Service's VIPs: clusterIP(s), externalIPs and LoadBalancer ingress.
 
-Every valid form lands in the model (IPv4 only: kpx is single-stack until the
-dual-stack issue, so IPv6 addresses and hostname-only ingress entries are
-valid and left out); every malformed one is exactly one problem naming the
+Every valid form lands in the model, of both families (hostname-only ingress
+entries are valid and left out; tests/unit/test_dualstack_core.py has the
+families); every malformed one is exactly one problem naming the
 object and the field, as the API server would have refused it; the quick
 judge (``_quick_service``) builds the very same verdict as the full one, or
 steps aside; and ``kpx check`` refuses a bad ipMode with that one line.
@@ -83,14 +83,15 @@ def same_as_full_judge(doc: dict[str, Any]) -> None:
 
 
 def test_ingress_ips_and_their_ip_modes() -> None:
-    """VIP, Proxy and absent (VIP) are kept in order; hostname-only, empty and IPv6 entries
-    are valid and left out; an entry with both an ip and a hostname keeps its ip."""
+    """VIP, Proxy and absent (VIP) are kept in order, IPv6 ones too (canonical); hostname-only
+    and empty entries are valid and left out; an entry with both an ip and a hostname keeps
+    its ip."""
     svc = parsed(lb_service(status=ingress(
         {"ip": "203.0.113.7", "ipMode": "VIP"},
         {"ip": "203.0.113.8", "ipMode": "Proxy"},
         {"ip": "203.0.113.9"},
         {"hostname": "lb.example.com"},
-        {"ip": "2001:db8::7", "ipMode": "VIP"},
+        {"ip": "2001:DB8::0:7", "ipMode": "VIP"},
         {"ip": "203.0.113.10", "hostname": "lb-2.example.com", "ports": [{"port": 80}]},
         {},
     )))
@@ -99,6 +100,7 @@ def test_ingress_ips_and_their_ip_modes() -> None:
         LoadBalancerIngress("203.0.113.7", "VIP"),
         LoadBalancerIngress("203.0.113.8", "Proxy"),
         LoadBalancerIngress("203.0.113.9", "VIP"),
+        LoadBalancerIngress("2001:db8::7", "VIP"),
         LoadBalancerIngress("203.0.113.10", "VIP"),
     )
 
@@ -127,11 +129,12 @@ def test_ingress_of_a_service_that_is_not_a_load_balancer_is_judged_but_not_kept
     ]
 
 
-def test_external_ips_keep_ipv4_in_order() -> None:
+def test_external_ips_keep_both_families_in_order() -> None:
     svc = parsed(lb_service(externalIPs=["198.51.100.7", "2001:db8::1", "198.51.100.8"]))
-    assert svc is not None and svc.external_ips == ("198.51.100.7", "198.51.100.8")
+    assert svc is not None and svc.external_ips == ("198.51.100.7", "2001:db8::1", "198.51.100.8")
     svc = parsed(lb_service(type="ClusterIP", node_port=None, externalIPs=["2001:db8::1"]))
-    assert svc is not None and svc.external_ips == () and not svc.externally_accessible
+    assert svc is not None and svc.external_ips == ("2001:db8::1",)
+    assert svc.externally_accessible
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
