@@ -156,16 +156,21 @@ def test_the_ipv6_runs_state_is_dual_stack_and_parses() -> None:
     assert slices["IPv6"]["endpoints"][0]["addresses"] == [POD1_IP6]
     assert slices["IPv6"]["endpoints"][0]["nodeName"] == "node1"
     assert slices["IPv6"]["metadata"]["name"] != slices["IPv4"]["metadata"]["name"]
-    # kpx's own parser takes it whole (it raises StateError on any problem) and keeps
-    # the IPv4 half exactly as in an IPv4 run.
+    # kpx's own parser takes it whole (it raises StateError on any problem): both
+    # families of node1, the dual-stack service, and a slice per family.
     snap = k8s.parse_state(text)
     plain = k8s.parse_state(bench_state("local", 30400, 30401))
-    assert "10.90.1.1" in snap.node("node1").internal_ips
+    node1 = snap.node("node1")
+    assert node1.ips_of(4) == ("10.90.1.1",) and node1.ips_of(6) == (NODE1_IP6,)
     (s6,) = snap.services
+    assert s6.ip_families == ("IPv4", "IPv6") and s6.ip_family_policy == "PreferDualStack"
+    assert s6.cluster_ips == ("10.96.0.10", "fd00:96::a") and s6.cluster_ip == "10.96.0.10"
     assert {(p.name, p.node_port) for p in s6.ports} == {
         (p.name, p.node_port) for p in plain.services[0].ports}
-    v4 = [sl for sl in snap.slices_for(s6) if sl.address_type == "IPv4"]
-    assert [e.address for sl in v4 for e in sl.endpoints] == ["10.90.2.2"]
+    by_family = {sl.address_type: [e.address for e in sl.endpoints]
+                 for sl in snap.slices_for(s6)}
+    assert by_family == {"IPv4": ["10.90.2.2"], "IPv6": [POD1_IP6]}
+    assert plain.services[0].ip_families == ("IPv4",)
     cross = bench_state("cross", 30400, 30401, family=6)
     assert f"  - {POD2_IP6}\n" in cross and "  nodeName: node2\n" in cross
     with pytest.raises(ValueError, match="clusterip path is not run over IPv6"):
