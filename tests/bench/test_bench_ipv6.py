@@ -192,16 +192,22 @@ def _cell(table: CellTable, path: str, contender: str, rr: float, cps: float) ->
     table.cell(path, "cps", contender).add(Run(ok=True, metrics={"conn_per_s": cps}))
 
 
+def _ipv4_cells() -> CellTable:
+    """IPv4 rr and cps for haproxy (1000 req/s, 800 conn/s) and kpx (900, 600): 0.9x, 0.75x."""
+    t = CellTable()
+    _cell(t, "local", "haproxy", 1000, 800)
+    _cell(t, "local", "kpx", 900, 600)
+    return t
+
+
 def test_family_path_round_trip() -> None:
     assert family_path("local", 4) == "local" and family_path("cross", 6) == "cross/ipv6"
     assert split_family("cross/ipv6") == ("cross", 6) and split_family("local") == ("local", 4)
 
 
 def test_ipv6_ratio_over_ipv4_ratio_is_judged_within_ten_percent() -> None:
-    t = CellTable()
-    _cell(t, "local", "haproxy", 1000, 800)
+    t = _ipv4_cells()
     _cell(t, "local", "kernel", 2000, 1600)
-    _cell(t, "local", "kpx", 900, 600)
     _cell(t, "local/ipv6", "haproxy", 800, 400)
     _cell(t, "local/ipv6", "kernel", 1000, 1000)
     _cell(t, "local/ipv6", "kpx", 700, 240)
@@ -224,9 +230,7 @@ def test_ipv6_ratio_over_ipv4_ratio_is_judged_within_ten_percent() -> None:
 
 
 def test_a_failed_ipv6_cell_is_not_measured_with_its_reason() -> None:
-    t = CellTable()
-    _cell(t, "local", "haproxy", 1000, 800)
-    _cell(t, "local", "kpx", 900, 600)
+    t = _ipv4_cells()
     _cell(t, "local/ipv6", "haproxy", 800, 400)
     t.cell("local/ipv6", "rr", "kpx").add(Run.failed("start: kpx does not serve IPv6"))
     r = family_ratio(t, "local", "req_per_s", "kpx", "haproxy")
@@ -241,9 +245,7 @@ def test_a_failed_ipv6_cell_is_not_measured_with_its_reason() -> None:
 
 
 def test_the_document_carries_and_validates_the_family_ratios() -> None:
-    t = CellTable()
-    _cell(t, "local", "haproxy", 1000, 800)
-    _cell(t, "local", "kpx", 900, 600)
+    t = _ipv4_cells()
     _cell(t, "local/ipv6", "haproxy", 1000, 800)
     _cell(t, "local/ipv6", "kpx", 950, 560)
     meta = {"started": "x", "finished": None, "config": {}, "machine": {}, "sysctls": {},
