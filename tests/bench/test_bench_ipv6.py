@@ -187,9 +187,13 @@ def test_an_ipv4_runs_state_has_nothing_of_ipv6() -> None:
 
 
 def _cell(table: CellTable, path: str, contender: str, rr: float, cps: float) -> None:
+    """rr and cps cells; a proxy process (not the kernel) spends 1e6/rate us per unit."""
+    cpu = contender != "kernel"
     table.cell(path, "rr", contender).add(
-        Run(ok=True, metrics={"req_per_s": rr, "p50_ms": 1.0, "p99_ms": 2.0}))
-    table.cell(path, "cps", contender).add(Run(ok=True, metrics={"conn_per_s": cps}))
+        Run(ok=True, metrics={"req_per_s": rr, "p50_ms": 1.0, "p99_ms": 2.0,
+                              **({"rr_cpu_us": 1e6 / rr} if cpu else {})}))
+    table.cell(path, "cps", contender).add(
+        Run(ok=True, metrics={"conn_per_s": cps, **({"cps_cpu_us": 1e6 / cps} if cpu else {})}))
 
 
 def _ipv4_cells() -> CellTable:
@@ -223,9 +227,14 @@ def test_ipv6_ratio_over_ipv4_ratio_is_judged_within_ten_percent() -> None:
     assert r.value == pytest.approx(0.7 / 0.45) and r.status == "missed"
     assert family_ratio(t, "local", "req_per_s", "kpx", "haproxy", tolerance=0.02).status \
         == "missed"
+    # CPU per request: kpx 1/700 against haproxy's 1/800 over IPv6, 1/900 against 1/1000.
+    r = family_ratio(t, "local", "rr_cpu_us", "kpx", "haproxy")
+    assert r.value == pytest.approx((800 / 700) / (1000 / 900)) and r.status == "met"
     rows = family_ratios(t)
-    assert {(x.name, x.metric) for x in rows} == {
-        (f"kpx/{ref}", m) for ref in ("haproxy", "kernel") for m in ("req_per_s", "conn_per_s")}
+    rates = {(f"kpx/{ref}", m) for ref in ("haproxy", "kernel")
+             for m in ("req_per_s", "conn_per_s")}
+    assert {(x.name, x.metric) for x in rows} == rates | {
+        ("kpx/haproxy", "rr_cpu_us"), ("kpx/haproxy", "cps_cpu_us")}
     assert all(x.path == "local" for x in rows)
 
 
@@ -393,5 +402,6 @@ def test_rr_and_cps_over_both_families_in_one_run(tmp_path: Path) -> None:
     assert doc["topology"]["ipv6"]["node1"] == NODE1_IP6
     rows = {(f["name"], f["metric"]): f for f in doc["family_ratios"]}
     assert set(rows) == {(f"kpx/{r}", m) for r in ("haproxy", "kernel")
-                         for m in ("req_per_s", "conn_per_s")}
+                         for m in ("req_per_s", "conn_per_s")} | {
+        ("kpx/haproxy", "rr_cpu_us"), ("kpx/haproxy", "cps_cpu_us")}
     assert "== IPv6 against IPv4, same run" in text
