@@ -50,6 +50,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"--from-state: at most N nodes (default {DEFAULT_MAX_NODES})")
     p.add_argument("--max-pods", type=_positive, default=DEFAULT_MAX_PODS, metavar="N",
                    help=f"--from-state: at most N pods (default {DEFAULT_MAX_PODS})")
+    p.add_argument("--dual-stack", action="store_true",
+                   help="give every node, pod, the client and the LB a ULA IPv6 address"
+                        " (fd00::/8) too; services that name no IP family become"
+                        " PreferDualStack")
     p.add_argument("--no-proxies", action="store_true", help="do not start kpx node")
     p.add_argument("--no-lb", action="store_true", help="do not start the load balancer")
     p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
@@ -167,7 +171,8 @@ def _up(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             start_proxies = False
     lab = Lab(spec, prefix=args.name, run_dir=_run_dir(args), start_proxies=start_proxies,
-              extra_proxy_args=args.proxy_arg, start_lb=not args.no_lb)
+              extra_proxy_args=args.proxy_arg, start_lb=not args.no_lb,
+              dual_stack=args.dual_stack)
     lab.up()
     _print_table(lab)
     return 0
@@ -199,16 +204,19 @@ def _print_table(lab: Lab) -> None:
     rows = [("NODE", "NAMESPACE", "IP", "POD CIDR", "KPX NODE")]
     for n in lab.nodes:
         pid = lab.proxy_pid(n)
-        rows.append((n, lab.ns(n), lab.node_ip(n), lab.pod_cidr(n),
-                     f"pid {pid}" if pid else "not started"))
-    rows.append(("client", lab.ns("client"), lab.client_ip, "-", "-"))
-    rows.append(("lb", lab.ns("lb"), f"{lab.lb_ip}, {lab.lb_front_ip}", "-", "-"))
+        rows.append((n, lab.ns(n), _ips(lab, lambda f, n=n: lab.node_ip(n, f)),
+                     ",".join(x for x in (lab.pod_cidr(n), lab.pod_cidr(n, 6)) if x != "-")
+                     or "-", f"pid {pid}" if pid else "not started"))
+    rows.append(("client", lab.ns("client"), _ips(lab, lab.client_ip), "-", "-"))
+    rows.append(("lb", lab.ns("lb"), f"{_ips(lab, lab.lb_ip)}, {_ips(lab, lab.lb_front_ip)}",
+                 "-", "-"))
     _table(rows)
     print()
     rows = [("POD", "NODE", "IP", "PORT", "LABELS")]
     for p in lab.pods:
         spec = lab.pod_info(p)
-        rows.append((p, spec["node"], spec["ip"], str(spec["port"]),
+        rows.append((p, spec["node"], ",".join(filter(None, (spec["ip"], spec["ip6"]))),
+                     str(spec["port"]),
                      ",".join(f"{k}={v}" for k, v in spec["labels"].items())))
     _table(rows)
     print()
@@ -218,7 +226,7 @@ def _print_table(lab: Lab) -> None:
         spec = lab.service(key)["spec"]
         ports = spec.get("ports", [])
         rows.append((key, spec["type"], spec.get("externalTrafficPolicy", "-"),
-                     spec.get("clusterIP") or "-",
+                     ",".join(spec.get("clusterIPs") or []) or spec.get("clusterIP") or "-",
                      _external_text(spec["type"], lab.external_ips(key), lab.ingress(key)),
                      ",".join(f"{p['port']}->{p.get('targetPort')}" for p in ports),
                      ",".join(str(p.get("nodePort", "-")) for p in ports),
@@ -230,6 +238,11 @@ def _print_table(lab: Lab) -> None:
         print(f"reach it:  kpx lab exec client -- curl -s http://{ip}:{port}/")
     print(f"see it:    kpx lab status{_name_flag(lab)}   |   remove it: kpx lab down"
           f"{_name_flag(lab)}")
+
+
+def _ips(lab: Lab, of: Any) -> str:
+    """``of(4)``, and ``of(6)`` after a comma in a dual-stack lab."""
+    return f"{of(4)},{of(6)}" if lab.dual_stack else str(of(4))
 
 
 def _external_text(svc_type: str, external_ips: list[str],
@@ -269,13 +282,14 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(_c(f"lab {st['name']}", "1") + f"  run dir {st['run_dir']}  state {st['state']}")
     print()
-    rows = [("NODE", "IP", "KPX NODE", "HEALTHZ", "LISTENING")]
+    rows = [("NODE", "IP", *(("IPV6",) if st.get("dualStack") else ()), "KPX NODE", "HEALTHZ",
+             "LISTENING")]
     for n in st["nodes"]:
         proxy = n["proxy"]
         alive = (_c("running", "32") + f" (pid {proxy['pid']})" if proxy["alive"] else
                  _c("dead", "31") if proxy["pid"] else "not started")
-        rows.append((n["name"], n["ip"], alive, _health_text(n.get("healthz")),
-                     " ".join(n["listen"]) or "-"))
+        rows.append((n["name"], n["ip"], *((n["ip6"],) if st.get("dualStack") else ()), alive,
+                     _health_text(n.get("healthz")), " ".join(n["listen"]) or "-"))
     _table(rows)
     if st["services"]:
         print()
@@ -294,7 +308,8 @@ def _status(args: argparse.Namespace) -> int:
         state = (f"terminating ({p['deleteIn']}s left)" if p["terminating"] else "running")
         if not p["alive"]:
             state = _c("process dead", "31")
-        rows.append((p["name"], p["node"], p["ip"], str(p["ready"]).lower(), state))
+        rows.append((p["name"], p["node"], ",".join(filter(None, (p["ip"], p.get("ip6")))),
+                     str(p["ready"]).lower(), state))
     _table(rows)
     print()
     # The load balancer's per-node probe results, as lab.lb.control.status() reports them.
@@ -309,7 +324,7 @@ def _status(args: argparse.Namespace) -> int:
         print(_c("load balancer probes", "1") + f" ({lab.spec.load_balancer.get('mode')},"
               f" {_probe_text(lab, lab.spec.load_balancer)})")
         rows = [("NODE", "IP", "HEALTHY", "STATE", "LAST RESULT", "SINCE")]
-        for r in lb:
+        for r in [*lb, *(st.get("loadBalancer6") or [])]:
             rows.append((str(r.get("name", "?")), str(r.get("ip", "")),
                          _c("yes", "32") if r.get("healthy") else _c("no", "31"),
                          str(r.get("state", "")), str(r.get("result", "")),
@@ -324,7 +339,8 @@ def _service_rows(services: list[dict[str, Any]]) -> list[tuple[str, ...]]:
              "LB INGRESS (ipMode)", "PORTS")]
     for s in services:
         rows.append((s["key"], s["type"], s.get("internalTrafficPolicy") or "-",
-                     s.get("externalTrafficPolicy") or "-", s.get("clusterIP") or "-",
+                     s.get("externalTrafficPolicy") or "-",
+                     ",".join(s.get("clusterIPs") or []) or s.get("clusterIP") or "-",
                      ",".join(f"{e['ip']} -> {e['node']}" for e in s["externalIPs"]) or "-",
                      _external_text(s["type"], [], s["ingress"]),
                      ",".join(f"{p['port']}" + (f":{p['nodePort']}" if p["nodePort"] else "")

@@ -32,6 +32,18 @@ second process (every ``kpx lab`` command after ``up``) the same API on it.
 Mutations take a flock on the run directory and re-read ``lab.json``, so
 the CLI is stateless between invocations and concurrent commands serialize.
 
+Dual-stack (``Lab(..., dual_stack=True)``, ``cluster.dualStack: true``,
+``kpx lab up --dual-stack``): every address query takes a *family*, 4 (the
+default, so every IPv4 test reads as before) or 6: ``node_ip(node, 6)``,
+``pod_ip(pod, 6)``, ``client_ip(6)``, ``lb_ip(6)``, ``lb_front_ip(6)``,
+``lb_address(6)``; ``dual_stack`` says which kind of lab this is, and asking
+an IPv4-only lab for an IPv6 address is a ``ValueError`` that says so.
+``client_ip``, ``lb_ip`` and ``lb_front_ip`` are properties that were plain
+strings before dual-stack; they still are (``lab.client_ip == "10.79.0.100"``)
+and can also be called with a family (``lab.client_ip(6)``). ``socket``,
+``request``, ``http_get`` and ``probe_http`` pick the family from the address
+they are given, and bracket an IPv6 one in the ``Host`` header.
+
 Load balancer: if the lab file has a ``loadBalancer`` section, ``up`` calls
 ``lab.lb.control.start(lab)`` after everything else is ready (its pid is
 recorded and killed on ``down``, after ``stop()``), ``apply`` calls its
@@ -85,6 +97,45 @@ HEALTHZ_PORT = 10256
 METRICS_PORT = 10249
 
 
+class FamilyAddress(str):
+    """An IPv4 address that also answers for its family: ``addr(6)`` is the IPv6 one.
+
+    What ``Lab.client_ip``, ``lb_ip`` and ``lb_front_ip`` return: these were
+    plain string properties before dual-stack, so the value stays a ``str``
+    (equal to the IPv4 address, usable in f-strings and JSON) while
+    ``lab.client_ip(6)`` reads like the other ``family=`` queries.
+    """
+
+    ip6: str | None
+
+    def __new__(cls, ip4: str, ip6: str | None, what: str) -> FamilyAddress:
+        obj = super().__new__(cls, ip4)
+        obj.ip6 = ip6
+        obj.what = what
+        return obj
+
+    what: str
+
+    def __call__(self, family: int = 4) -> str:
+        return _pick(str(self), self.ip6, family, self.what)
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        """Copied or pickled, it is the plain IPv4 string (YAML and JSON see only that)."""
+        return str, (str(self),)
+
+
+def _pick(ip4: str, ip6: str | None, family: int, what: str) -> str:
+    """*what*'s address of *family*; a ValueError naming it when there is none."""
+    if family == 4:
+        return ip4
+    if family != 6:
+        raise ValueError(f"family must be 4 or 6, got {family!r}")
+    if ip6 is None:
+        raise ValueError(f"{what} has no IPv6 address: this lab is IPv4-only (bring it up"
+                         " with --dual-stack, or Lab(..., dual_stack=True))")
+    return ip6
+
+
 class Lab(Traffic, Pods):
     """A multi-node kube-proxy lab in network namespaces. See the module docstring."""
 
@@ -102,11 +153,16 @@ class Lab(Traffic, Pods):
         ready_timeout: float = 10.0,
         stop_grace: float = 2.0,
         start_lb: bool = True,
+        dual_stack: bool = False,
     ) -> None:
+        """*dual_stack*: make *spec* dual-stack (``LabSpec.with_dual_stack``); a spec
+        with ``cluster.dualStack: true`` already is."""
         if not PREFIX_RE.match(prefix):
             raise ValueError(f"lab prefix {prefix!r} must be a lowercase letter then up to 15"
                              " lowercase letters or digits (no '-')")
         self.spec: LabSpec = LabSpec.default() if spec is None else LabSpec.load(spec)
+        if dual_stack:
+            self.spec = self.spec.with_dual_stack()
         self.prefix = prefix
         self.run_dir = Path(run_dir) if run_dir is not None else default_run_dir(prefix)
         self.start_proxies = start_proxies
@@ -223,18 +279,28 @@ class Lab(Traffic, Pods):
         return list(self.spec.nodes)
 
     @property
-    def client_ip(self) -> str:
-        return topology.CLIENT_IP
+    def dual_stack(self) -> bool:
+        """Whether everything in this lab also has an IPv6 address."""
+        return self.spec.dual_stack
+
+    def _v6(self, ip6: str) -> str | None:
+        return ip6 if self.spec.dual_stack else None
 
     @property
-    def lb_ip(self) -> str:
+    def client_ip(self) -> FamilyAddress:
+        """The client's address; ``client_ip(6)`` its IPv6 one (see ``FamilyAddress``)."""
+        return FamilyAddress(topology.CLIENT_IP, self._v6(topology.CLIENT_IP6), "the client")
+
+    @property
+    def lb_ip(self) -> FamilyAddress:
         """The LB namespace's address on the node network (what nodes see in proxy mode)."""
-        return topology.LB_NODE_IP
+        return FamilyAddress(topology.LB_NODE_IP, self._v6(topology.LB_NODE_IP6), "the lb")
 
     @property
-    def lb_front_ip(self) -> str:
+    def lb_front_ip(self) -> FamilyAddress:
         """The LB namespace's address on the client network."""
-        return topology.LB_CLIENT_IP
+        return FamilyAddress(topology.LB_CLIENT_IP, self._v6(topology.LB_CLIENT_IP6),
+                             "the lb's front")
 
     @property
     def state_path(self) -> Path:
@@ -244,19 +310,26 @@ class Lab(Traffic, Pods):
     def logs_dir(self) -> Path:
         return self.run_dir / "logs"
 
-    def node_ip(self, node: str) -> str:
+    def node_ip(self, node: str, family: int = 4) -> str:
+        """*node*'s InternalIP of *family* (4 or 6; 6 only in a dual-stack lab)."""
         if node not in self.spec.nodes:
             raise KeyError(f"no node {node!r} (nodes: {', '.join(self.spec.nodes)})")
-        return self.plan.node_ip(node)
+        return _pick(self.plan.node_ip(node), self.plan.node_ip6(node), family, f"node {node}")
 
-    def pod_cidr(self, node: str) -> str:
+    def pod_cidr(self, node: str, family: int = 4) -> str:
         """The networks routed to *node*'s pods, comma-separated (one unless given)."""
-        return ",".join(self.plan.pod_networks_of(node)) or "-"
+        nets = self.plan.pod_networks_of(node) if family == 4 else self.plan.pod_networks6_of(node)
+        return ",".join(nets) or "-"
 
     @property
     def pod_networks(self) -> tuple[str, ...]:
-        """All pods' networks: what kpx is told is ``--cluster-cidr``."""
+        """All pods' IPv4 networks (the LB masquerades them)."""
         return self.plan.pod_networks
+
+    @property
+    def pod_networks6(self) -> tuple[str, ...]:
+        """All pods' IPv6 networks; empty in an IPv4-only lab."""
+        return self.plan.pod_networks6
 
     def proxy_pid(self, node: str) -> int | None:
         proc = self.procs.proxies.get(node)
@@ -320,8 +393,8 @@ class Lab(Traffic, Pods):
         return list(((self.service(key).get("status") or {}).get("loadBalancer") or {})
                     .get("ingress") or [])
 
-    def lb_address(self) -> tuple[str, int]:
-        """Where a client reaches the LB-fronted service.
+    def lb_address(self, family: int = 4) -> tuple[str, int]:
+        """Where a client reaches the LB-fronted service (over *family*).
 
         The LB's front if the lab has a working ``loadBalancer`` section; else a node's
         ip:nodePort, preferring a node with a ready local endpoint so it also
@@ -330,7 +403,9 @@ class Lab(Traffic, Pods):
         if self.spec.load_balancer is not None:
             with contextlib.suppress(Exception):
                 cfg = lb_control.config_for(self)
-                return str(cfg.listen_ip), int(cfg.port)
+                front = cfg.listen_ip if family == 4 else cfg.listen_ip6
+                if front:
+                    return str(front), int(cfg.port)
         key = self.spec.lb_service_key
         if key is None or key not in self.services:
             key = next((k for k in self.services if self.node_port(k)), None)
@@ -343,7 +418,7 @@ class Lab(Traffic, Pods):
                      and selector and all(r.spec.labels.get(k) == v
                                           for k, v in selector.items())),
                     self.spec.nodes[0])
-        return self.node_ip(node), self.node_port(key)
+        return self.node_ip(node, family), self.node_port(key)
 
     def proxy_log(self, node: str) -> str:
         return read_text(self.logs_dir / f"{node}.log")
@@ -382,6 +457,10 @@ class Lab(Traffic, Pods):
             new = self._accept(spec)
             if tuple(new.nodes) != tuple(self.spec.nodes):
                 raise LabError("apply cannot change the nodes of a running lab; run"
+                               " `kpx lab up` with the new file instead")
+            if new.dual_stack != self.spec.dual_stack:
+                raise LabError(f"apply cannot change cluster.dualStack of a running lab"
+                               f" ({self.spec.dual_stack} -> {new.dual_stack}); run"
                                " `kpx lab up` with the new file instead")
             if new.service_cidr != self.spec.service_cidr:
                 raise LabError(f"apply cannot change cluster.serviceCIDR of a running lab"
@@ -480,6 +559,9 @@ class Lab(Traffic, Pods):
             ip = self.node_ip(node)
             entry: dict[str, Any] = {"name": node, "ip": ip, "ns": self.ns(node),
                                      "pod_cidr": self.pod_cidr(node)}
+            if self.dual_stack:
+                entry["ip6"] = self.node_ip(node, 6)
+                entry["pod_cidr6"] = self.pod_cidr(node, 6)
             proc = self.procs.proxies.get(node)
             entry["proxy"] = {"pid": proc.pid if proc else None,
                               "alive": bool(proc and proc.alive())}
@@ -492,7 +574,8 @@ class Lab(Traffic, Pods):
             entry["services"] = {k: self.probe_http(node, ip, hc, "/", probe_timeout) | {
                 "hcPort": hc} for k, hc in hc_services}
             nodes.append(entry)
-        pods = [{"name": r.spec.name, "node": r.spec.node, "ip": r.ip, "port": r.spec.port,
+        pods = [{"name": r.spec.name, "node": r.spec.node, "ip": r.ip, "ip6": r.ip6,
+                 "port": r.spec.port,
                  "ready": r.spec.ready, "terminating": r.terminating,
                  "deleteIn": round(r.delete_at - time.time(), 1) if r.delete_at else None,
                  "alive": bool(r.proc and r.proc.alive()),
@@ -510,12 +593,16 @@ class Lab(Traffic, Pods):
                              "healthCheckNodePort": spec.get("healthCheckNodePort", 0),
                              "clusterIP": spec.get("clusterIP"),
                              "clusterIPs": list(spec.get("clusterIPs") or []),
+                             "ipFamilies": list(spec.get("ipFamilies") or []),
+                             "ipFamilyPolicy": spec.get("ipFamilyPolicy"),
                              "externalIPs": [{"ip": ip, "node": self.spec.external_ip_node(ip)}
                                              for ip in spec.get("externalIPs") or []],
                              "ingress": self.ingress(service_key(s))})
-        return {"name": self.prefix, "run_dir": str(self.run_dir),
-                "state": str(self.state_path), "client_ip": self.client_ip, "nodes": nodes,
-                "pods": pods, "services": services, "loadBalancer": self._lb_status()}
+        return {"name": self.prefix, "run_dir": str(self.run_dir), "dualStack": self.dual_stack,
+                "state": str(self.state_path), "client_ip": str(self.client_ip),
+                "client_ip6": topology.CLIENT_IP6 if self.dual_stack else None, "nodes": nodes,
+                "pods": pods, "services": services, "loadBalancer": self._lb_status(),
+                "loadBalancer6": self._lb_status(6) if self.dual_stack else None}
 
     # ------------------------------------------------------------------ internals
 
@@ -551,6 +638,12 @@ class Lab(Traffic, Pods):
         if not isinstance(spec, Mapping):
             spec = LabSpec.load(spec).to_dict()
         raw = json.loads(json.dumps(dict(spec)))
+        cluster = raw.get("cluster")
+        if self.spec.dual_stack and (cluster is None or (isinstance(cluster, dict)
+                                                         and "dualStack" not in cluster)):
+            # A file that does not say keeps the running lab's families (a test's
+            # one-pod dict applied to a lab brought up with dual_stack=True).
+            raw["cluster"] = {**(cluster or {}), "dualStack": True}
         old = {service_key(s): s for s in self._services}
         for svc in raw.get("services") or []:
             if isinstance(svc, dict):
@@ -575,7 +668,7 @@ class Lab(Traffic, Pods):
     def proxy_argv(self, node: str) -> list[str]:
         """The ``kpx node`` command line the lab runs on *node*."""
         return proxy_argv(node, self.state_path, self.extra_proxy_args, self.healthz_port,
-                          self.metrics_port, self.plan.pod_networks)
+                          self.metrics_port, (*self.plan.pod_networks, *self.plan.pod_networks6))
 
     def _start_proxy(self, node: str) -> None:
         self.procs.start_proxy(node, self.plan.node_ns(node), self.proxy_argv(node))
@@ -598,6 +691,9 @@ class Lab(Traffic, Pods):
             ns, ip, port = self.plan.pod_ns(rec.spec.name), rec.ip, rec.spec.port
             waits.append(Readiness(f"pod {rec.spec.name} (port {port})", rec.proc,
                                    functools.partial(can_connect, ns, ip, port), True))
+            if rec.ip6 and rec.spec.image == "echo":
+                waits.append(Readiness(f"pod {rec.spec.name} (port {port}, IPv6)", rec.proc,
+                                       functools.partial(can_connect, ns, rec.ip6, port), True))
         hz = proxy_healthz_port(self.extra_proxy_args, self.healthz_port)
         if self.wait_proxies and hz:
             for node in proxies:
@@ -610,15 +706,16 @@ class Lab(Traffic, Pods):
 
     def _node_infos(self) -> list[NodeInfo]:
         return [NodeInfo(n, self.node_ip(n), ",".join(self.plan.pod_networks_of(n)),
-                         self.spec.node_fields.get(n, {}))
+                         self.spec.node_fields.get(n, {}), self.plan.node_ip6(n),
+                         ",".join(self.plan.pod_networks6_of(n)) or None)
                 for n in self.spec.nodes]
 
     def _resolve(self, spec: LabSpec,
                  previous: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
         """*spec*'s Services as the API server and the LB controller leave them."""
-        services = resolve_services(spec.services, previous, spec.service_cidr)
+        services = resolve_services(spec.services, previous, spec.service_cidr, spec.dual_stack)
         fronted = spec.lb_service_key if spec.load_balancer is not None else None
-        return load_balancer_status(services, fronted, self.lb_front_ip, spec.lb_ip_mode)
+        return load_balancer_status(services, fronted, str(self.lb_front_ip), spec.lb_ip_mode)
 
     def _route_external_ips(self) -> None:
         """Route every service's externalIPs from the client and the lb to their node."""
@@ -639,7 +736,7 @@ class Lab(Traffic, Pods):
             "state_path": str(self.state_path),
             "pid": os.getpid(),
             "updated": time.time(),
-            "client_ip": self.client_ip,
+            "client_ip": str(self.client_ip),
             "options": {"start_proxies": self.start_proxies,
                         "extra_proxy_args": list(self.extra_proxy_args),
                         "healthz_port": self.healthz_port, "metrics_port": self.metrics_port,
@@ -647,7 +744,7 @@ class Lab(Traffic, Pods):
             "spec": self.spec.to_dict(),
             "namespaces": self._namespaces,
             "nodes": {n: {"ns": self.plan.node_ns(n), "ip": self.node_ip(n),
-                          "pod_cidr": self.pod_cidr(n),
+                          "ip6": self.plan.node_ip6(n), "pod_cidr": self.pod_cidr(n),
                           "proxy": asdict(proxy) if (proxy := self.procs.proxies.get(n)) else None}
                       for n in self.spec.nodes},
             "pods": {n: r.to_json() for n, r in self._pods.items()},
@@ -697,18 +794,18 @@ class Lab(Traffic, Pods):
             except Exception:
                 log.exception("lab %s: load balancer hook on_apply failed", self.prefix)
 
-    def _lb_status(self) -> Any:
+    def _lb_status(self, family: int = 4) -> Any:
         """Per-node probe results for ``kpx lab status``; None when the lab has no LB."""
         if self.spec.load_balancer is None:
             return None
         try:
-            return lb_control.status(self.run_dir)
+            return lb_control.status(self.run_dir, family)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _plan(prefix: str, spec: LabSpec) -> topology.Plan:
-    return topology.Plan(prefix, spec.nodes, spec.node_ips, spec.pod_cidrs)
+    return topology.Plan(prefix, spec.nodes, spec.node_ips, spec.pod_cidrs, spec.dual_stack)
 
 
 # ---------------------------------------------------------------------- by name

@@ -12,6 +12,11 @@ Owns, as pure functions:
   of the service it fronts, with the ipMode the lab file asks for.
 - What the EndpointSlice controller publishes for those Services and the
   lab's pods (``endpoint_slices``), field for field.
+- Dual-stack (``dual_stack``): ``ipFamilyPolicy``/``ipFamilies`` resolved as
+  the API server resolves them, one ClusterIP per family (IPv6 ones from
+  ``lab.topology.SERVICE_CIDR6``), and one set of slices per family, named
+  and labelled as the EndpointSlice controller names them (``addressType:
+  IPv6`` slices carry the pods' IPv6 addresses).
 - The v1 Node objects of the lab's nodes (``node_objects``) and the state
   document list every ``kpx node`` reads (``state_documents``).
 
@@ -53,6 +58,7 @@ from lab.spec import (
     DEFAULT_SERVICE_CIDR,
     NODE_PORT_MAX,
     NODE_PORT_MIN,
+    SERVICE_CIDR6,
     LabSpecError,
     service_key,
 )
@@ -83,6 +89,12 @@ class PodState:
     terminating: bool = False
     namespace: str = "default"
     uid: str = ""
+    ip6: str | None = None
+    """Its IPv6 address in a dual-stack lab; None in an IPv4-only one."""
+
+    def ip_of(self, family: str) -> str | None:
+        """Its address of *family* (``IPv4`` or ``IPv6``), or None."""
+        return self.ip if family == "IPv4" else self.ip6
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,10 @@ class NodeInfo:
     """Its pod networks, comma-separated (a mirrored cluster's node may have several)."""
     fields: Mapping[str, Any] = field(default_factory=dict)
     """``cluster.nodeFields``: labels, taints, deletionTimestamp of a mirrored Node."""
+    ip6: str | None = None
+    """Its IPv6 InternalIP in a dual-stack lab."""
+    pod_cidr6: str | None = None
+    """Its IPv6 pod CIDR in a dual-stack lab (``spec.podCIDRs``' second entry)."""
 
 
 # --- the API server's part ---------------------------------------------------------
@@ -117,8 +133,12 @@ def _needs_hc_port(spec: Mapping[str, Any]) -> bool:
     return spec.get("type") == "LoadBalancer" and spec.get("externalTrafficPolicy") == "Local"
 
 
-def default_service(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Fill in what the API server defaults on create (no allocation)."""
+def default_service(obj: Mapping[str, Any], dual_stack: bool = False) -> dict[str, Any]:
+    """Fill in what the API server defaults on create (no allocation).
+
+    In a *dual_stack* lab a service that names neither ``ipFamilyPolicy`` nor
+    ``ipFamilies`` gets ``PreferDualStack`` (see ``lab.spec``: the lab's choice).
+    """
     svc = copy.deepcopy(dict(obj))
     meta = svc.setdefault("metadata", {})
     meta.setdefault("namespace", "default")
@@ -147,6 +167,9 @@ def default_service(obj: Mapping[str, Any]) -> dict[str, Any]:
         spec["ports"] = ports
     if not _needs_hc_port(spec):
         spec.pop("healthCheckNodePort", None)
+    if (dual_stack and spec["type"] != "ExternalName" and "ipFamilyPolicy" not in spec
+            and "ipFamilies" not in spec):
+        spec["ipFamilyPolicy"] = "PreferDualStack"
     if spec["type"] == "ExternalName":
         spec.pop("clusterIPs", None)
     elif not spec.get("clusterIP") and spec.get("clusterIPs"):
@@ -158,7 +181,7 @@ def default_service(obj: Mapping[str, Any]) -> dict[str, Any]:
 def resolve_services(services: Iterable[Mapping[str, Any]],
                      previous: Mapping[str, Mapping[str, Any]] | None = None,
                      service_cidr: str | ipaddress.IPv4Network = SERVICE_CIDR,
-                     ) -> list[dict[str, Any]]:
+                     dual_stack: bool = False) -> list[dict[str, Any]]:
     """Defaults plus allocation: the Services as ``kubectl get -o yaml`` would show them.
 
     *previous* maps ``namespace/name`` to the resolved object of the last
@@ -176,10 +199,16 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
     ``LabSpecError``, as the API server refuses it: silently moving that
     service's VIP would break its clients. (``LabSpec`` has already refused
     given clusterIPs that are malformed, outside the CIDR, or given twice.)
+
+    IP families (``_families``): ``ipFamilies`` as given, else the families of
+    the given clusterIPs, else IPv4; a dual-stack policy in a *dual_stack* lab
+    adds the other family. Each family gets its own ClusterIP (kept, given or
+    allocated as above), ``clusterIPs`` lists them in ``ipFamilies`` order.
     """
     previous = previous or {}
     cidr = ipaddress.IPv4Network(service_cidr)
-    resolved = [default_service(s) for s in services]
+    cidr6 = ipaddress.IPv6Network(SERVICE_CIDR6)
+    resolved = [default_service(s, dual_stack) for s in services]
     resolved.sort(key=service_key)
     problems: list[str] = []
 
@@ -193,6 +222,7 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
             used_ports.add(spec["healthCheckNodePort"])
         if spec.get("clusterIP") not in (None, "", "None"):
             used_ips.add(spec["clusterIP"])
+        used_ips.update(ip for ip in spec.get("clusterIPs") or [] if ip not in ("", "None"))
 
     # Who holds which address from earlier rounds, unless it now names its own.
     keys = {service_key(s): s for s in resolved}
@@ -234,6 +264,14 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
             if ip and ip != "None" and ip not in used_ips and ipaddress.ip_address(ip) in cidr:
                 spec["clusterIP"] = ip
                 used_ips.add(ip)
+        if spec["type"] != "ExternalName" and spec.get("clusterIP") != "None":
+            # A kept IPv6 ClusterIP, if this round still wants one and names none.
+            given6 = [ip for ip in spec.get("clusterIPs") or [] if ":" in ip]
+            old6 = [ip for ip in old_spec.get("clusterIPs") or [] if ":" in ip]
+            if (not given6 and old6 and old6[0] not in used_ips
+                    and ipaddress.ip_address(old6[0]) in cidr6):
+                spec["_kept6"] = old6[0]
+                used_ips.add(old6[0])
 
     for svc in resolved:
         key = service_key(svc)
@@ -246,20 +284,58 @@ def resolve_services(services: Iterable[Mapping[str, Any]],
             spec["healthCheckNodePort"] = _allocate_port(f"{key}/healthCheckNodePort",
                                                          used_ports)
         if spec["type"] != "ExternalName":
-            if not spec.get("clusterIP"):
-                ip = _allocate_ip(key, used_ips, cidr)
+            kept6 = spec.pop("_kept6", None)
+            if spec.get("clusterIP") == "None":
+                spec["clusterIPs"] = ["None"]
+                continue
+            families = _families(spec, dual_stack)
+            given = {_family(ip): ip for ip in [spec.get("clusterIP"),
+                                               *(spec.get("clusterIPs") or [])] if ip}
+            if kept6 and "IPv6" not in given:
+                given["IPv6"] = kept6
+            ips: list[str] = []
+            for fam in families:
+                ip = given.get(fam)
                 if ip is None:
-                    problems.append(f"Service {key}: spec.clusterIP: no free address left in"
-                                    f" the service CIDR {cidr} (cluster.serviceCIDR)")
-                    continue
-                spec["clusterIP"] = ip
-            spec["clusterIPs"] = [spec["clusterIP"]]
-            if spec["clusterIP"] != "None":
-                spec.setdefault("ipFamilies", ["IPv4"])
+                    where = cidr if fam == "IPv4" else cidr6
+                    ip = _allocate_ip(key if fam == "IPv4" else f"{key}/IPv6", used_ips, where)
+                    if ip is None:
+                        problems.append(
+                            f"Service {key}: spec.clusterIP: no free address left in the"
+                            f" service CIDR {where} (cluster.serviceCIDR)" if fam == "IPv4" else
+                            f"Service {key}: spec.clusterIPs[{len(ips)}]: no free address left"
+                            f" in the lab's IPv6 service CIDR {where}")
+                        break
+                ips.append(ip)
+            else:
+                spec["clusterIP"] = ips[0]
+                spec["clusterIPs"] = ips
+                spec["ipFamilies"] = families
                 spec.setdefault("ipFamilyPolicy", "SingleStack")
     if problems:
         raise LabSpecError(problems, "apply")
     return resolved
+
+
+def _family(ip: str) -> str:
+    return "IPv6" if ":" in ip else "IPv4"
+
+
+def _families(spec: Mapping[str, Any], dual_stack: bool) -> list[str]:
+    """``ipFamilies`` as the API server resolves it (``lab.spec`` validated the input).
+
+    Given families stand; else the given clusterIPs' families; else IPv4 (the
+    lab's primary family). A dual-stack policy in a dual-stack lab then adds
+    the missing family; in an IPv4-only lab PreferDualStack stays single.
+    """
+    fams = list(spec.get("ipFamilies") or [])
+    if not fams:
+        fams = [_family(ip) for ip in spec.get("clusterIPs") or [spec.get("clusterIP") or ""]
+                if ip] or ["IPv4"]
+    if (dual_stack and len(fams) == 1
+            and spec.get("ipFamilyPolicy") in ("PreferDualStack", "RequireDualStack")):
+        fams.append("IPv6" if fams[0] == "IPv4" else "IPv4")
+    return fams
 
 
 def _allocate_port(seed: str, used: set[int]) -> int:
@@ -274,7 +350,8 @@ def _allocate_port(seed: str, used: set[int]) -> int:
 
 
 def _allocate_ip(seed: str, used: set[str],
-                 cidr: ipaddress.IPv4Network = SERVICE_CIDR) -> str | None:
+                 cidr: ipaddress.IPv4Network | ipaddress.IPv6Network = SERVICE_CIDR
+                 ) -> str | None:
     """The first free address from the hash of *seed* on, in *cidr*; None when it is full."""
     base = int(cidr.network_address)
     span = cidr.num_addresses
@@ -339,13 +416,13 @@ def _resolve_ports(svc: Mapping[str, Any], pod: PodState) -> tuple[tuple[str, in
     return tuple(out)
 
 
-def _endpoint(svc: Mapping[str, Any], pod: PodState) -> dict[str, Any]:
+def _endpoint(svc: Mapping[str, Any], pod: PodState, address: str) -> dict[str, Any]:
     serving = pod.ready
     terminating = pod.terminating
     publish = bool(svc["spec"].get("publishNotReadyAddresses", False))
     ready = publish or (serving and not terminating)
     return {
-        "addresses": [pod.ip],
+        "addresses": [address],
         "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
         "nodeName": pod.node,
         "targetRef": {"kind": "Pod", "namespace": pod.namespace, "name": pod.name,
@@ -380,26 +457,33 @@ def endpoint_slices(services: Sequence[Mapping[str, Any]], pods: Sequence[PodSta
         meta = svc["metadata"]
         ns, name = meta["namespace"], meta["name"]
         key = f"{ns}/{name}"
-        groups: dict[tuple[tuple[str, int, str], ...], list[dict[str, Any]]] = {}
-        for pod in sorted(pods, key=lambda p: (p.namespace, p.name)):
-            if pod.namespace != ns or not _selects(spec["selector"], pod.labels):
-                continue
-            ports = _resolve_ports(svc, pod)
-            if not ports and spec.get("ports"):
-                continue
-            groups.setdefault(ports, []).append(_endpoint(svc, pod))
-        if not groups:
-            groups[()] = []  # the placeholder slice
-        for ports, endpoints in sorted(groups.items()):
-            chunks = [endpoints[i:i + MAX_ENDPOINTS_PER_SLICE]
-                      for i in range(0, len(endpoints), MAX_ENDPOINTS_PER_SLICE)] or [[]]
-            for n, chunk in enumerate(chunks):
-                out.append(_slice(svc, key, ports, chunk, n, trigger_times.get(key)))
+        for family in spec.get("ipFamilies") or ["IPv4"]:
+            groups: dict[tuple[tuple[str, int, str], ...], list[dict[str, Any]]] = {}
+            for pod in sorted(pods, key=lambda p: (p.namespace, p.name)):
+                address = pod.ip_of(family)
+                if (address is None or pod.namespace != ns
+                        or not _selects(spec["selector"], pod.labels)):
+                    continue
+                ports = _resolve_ports(svc, pod)
+                if not ports and spec.get("ports"):
+                    continue
+                groups.setdefault(ports, []).append(_endpoint(svc, pod, address))
+            if not groups:
+                groups[()] = []  # the placeholder slice
+            for ports, endpoints in sorted(groups.items()):
+                chunks = [endpoints[i:i + MAX_ENDPOINTS_PER_SLICE]
+                          for i in range(0, len(endpoints), MAX_ENDPOINTS_PER_SLICE)] or [[]]
+                for n, chunk in enumerate(chunks):
+                    out.append(_slice(svc, key, ports, chunk, n, trigger_times.get(key),
+                                      family))
     return out
 
 
 def _slice(svc: Mapping[str, Any], key: str, ports: tuple[tuple[str, int, str], ...],
-           endpoints: list[dict[str, Any]], n: int, trigger: str | None) -> dict[str, Any]:
+           endpoints: list[dict[str, Any]], n: int, trigger: str | None,
+           family: str = "IPv4") -> dict[str, Any]:
+    """One slice of *family*: ``<service>-<5 chars>`` like an IPv4 one (a different seed)."""
+    seed = f"{key}/{ports}/{n}" if family == "IPv4" else f"{key}/{family}/{ports}/{n}"
     meta = svc["metadata"]
     labels = dict(meta.get("labels") or {})
     labels[SERVICE_NAME_LABEL] = meta["name"]
@@ -407,7 +491,7 @@ def _slice(svc: Mapping[str, Any], key: str, ports: tuple[tuple[str, int, str], 
     if svc["spec"].get("clusterIP") == "None":
         labels["service.kubernetes.io/headless"] = ""
     slice_meta: dict[str, Any] = {
-        "name": _slice_name(meta["name"], f"{key}/{ports}/{n}"),
+        "name": _slice_name(meta["name"], seed),
         "namespace": meta["namespace"],
         "labels": labels,
         "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": meta["name"],
@@ -420,7 +504,7 @@ def _slice(svc: Mapping[str, Any], key: str, ports: tuple[tuple[str, int, str], 
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": slice_meta,
-        "addressType": "IPv4",
+        "addressType": family,
         "endpoints": endpoints,
         "ports": [{"name": pname, "port": port, "protocol": proto}
                   for pname, port, proto in ports],
@@ -465,6 +549,9 @@ def stamp_trigger_times(old_fingerprints: Mapping[str, str], old_times: Mapping[
 def node_objects(nodes: Sequence[NodeInfo]) -> list[dict[str, Any]]:
     """v1 Nodes as the kubelet registers them: InternalIP and Hostname addresses.
 
+    A dual-stack node has two InternalIPs (IPv4 first, as ``--node-ip=v4,v6``
+    registers them) and an IPv6 second entry in ``spec.podCIDRs``.
+
     A node's ``fields`` (a mirrored cluster's) add its labels, its taints and
     its deletionTimestamp: kpx reads them (a node being deleted fails /healthz).
     """
@@ -476,7 +563,7 @@ def node_objects(nodes: Sequence[NodeInfo]) -> list[dict[str, Any]]:
                                 "labels": labels}
         if n.fields.get("deletionTimestamp"):
             meta["deletionTimestamp"] = n.fields["deletionTimestamp"]
-        cidrs = [c for c in n.pod_cidr.split(",") if c]
+        cidrs = [c for c in n.pod_cidr.split(",") if c] + ([n.pod_cidr6] if n.pod_cidr6 else [])
         spec: dict[str, Any] = {"podCIDR": cidrs[0], "podCIDRs": cidrs} if cidrs else {}
         if n.fields.get("taints"):
             spec["taints"] = copy.deepcopy(list(n.fields["taints"]))
@@ -486,6 +573,8 @@ def node_objects(nodes: Sequence[NodeInfo]) -> list[dict[str, Any]]:
             "metadata": meta,
             "spec": spec,
             "status": {"addresses": [{"type": "InternalIP", "address": n.ip},
+                                     *([{"type": "InternalIP", "address": n.ip6}]
+                                       if n.ip6 else []),
                                      {"type": "Hostname", "address": n.name}]},
         })
     return out

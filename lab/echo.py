@@ -36,6 +36,13 @@ UDP: one reply datagram per request datagram, to the sender's address:
 - anything else: the datagram unchanged. A plain echo is what a bench or a
   DNS-like probe needs: it answers whatever it sends, at any size.
 
+Both families: ``--bind`` may be given twice (``--bind 0.0.0.0 --bind ::``,
+what a dual-stack lab's pods run), and each address gets its own TCP and
+UDP sockets, the IPv6 ones ``IPV6_V6ONLY`` so the two never fight over the
+port. ``peer`` has the same ``ip:port`` shape in both families
+(``fd00:79::100:40312``: the address is everything before the last colon,
+so a test's ``peer.rsplit(":", 1)[0]`` works for either).
+
 Replies leave from the port the request came to. Their source address is
 the route's choice, so a pod with several addresses bound to ``0.0.0.0``
 may answer from another one than was asked (and a connected client drops
@@ -268,24 +275,53 @@ async def _read_proxy_v2(reader: asyncio.StreamReader) -> str | None:
     return None
 
 
-async def serve(pod: str, node: str, host: str, port: int) -> None:
-    server = EchoServer(pod, node)
-    srv = await asyncio.start_server(server.handle, host, port, limit=LINE_LIMIT,
-                                     reuse_address=True, backlog=1024)
-    # The same port number for UDP: a Service port and its targetPort are
-    # numbers, and kube-dns style services carry 53/TCP and 53/UDP together.
-    udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: EchoDatagrams(server), local_addr=(host, port))
-    print(f"echo: pod {pod} on {node} listening on {host}:{port} (tcp, udp)", flush=True)
-    stop = asyncio.get_running_loop().create_future()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, lambda: stop.done() or
-                                                      stop.set_result(None))
+def _bound(host: str, port: int, kind: int) -> socket.socket:
+    """A socket of *kind* bound to host:port; an IPv6 one is IPV6_V6ONLY.
+
+    Made here rather than by asyncio so that ``0.0.0.0`` and ``::`` can share
+    a port number whatever the event loop's defaults for dual-stack sockets.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, kind)
     try:
-        async with srv:
-            await stop
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((host, port))
+    except BaseException:
+        s.close()
+        raise
+    s.setblocking(False)
+    return s
+
+
+async def serve(pod: str, node: str, hosts: list[str] | str, port: int) -> None:
+    server = EchoServer(pod, node)
+    loop = asyncio.get_running_loop()
+    hosts = [hosts] if isinstance(hosts, str) else hosts
+    servers: list[asyncio.Server] = []
+    udps: list[asyncio.BaseTransport] = []
+    for host in hosts:
+        servers.append(await asyncio.start_server(
+            server.handle, sock=_bound(host, port, socket.SOCK_STREAM), limit=LINE_LIMIT,
+            backlog=1024))
+        # The same port number for UDP: a Service port and its targetPort are
+        # numbers, and kube-dns style services carry 53/TCP and 53/UDP together.
+        udp, _ = await loop.create_datagram_endpoint(
+            lambda: EchoDatagrams(server), sock=_bound(host, port, socket.SOCK_DGRAM))
+        udps.append(udp)
+    where = ", ".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts)
+    print(f"echo: pod {pod} on {node} listening on {where} (tcp, udp)", flush=True)
+    stop = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    try:
+        await stop
     finally:
-        udp.close()
+        for srv in servers:
+            srv.close()
+        for udp in udps:
+            udp.close()
     print("echo: stopped", flush=True)
 
 
@@ -294,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", required=True, help="pod name to report")
     ap.add_argument("--node", default="", help="node name to report")
     ap.add_argument("--port", type=int, default=8080)
-    ap.add_argument("--bind", default="0.0.0.0")
+    ap.add_argument("--bind", action="append", default=[],
+                    help="address to listen on (repeatable: 0.0.0.0 and :: for both families;"
+                         " default 0.0.0.0)")
     args = ap.parse_args(argv)
+    args.bind = args.bind or ["0.0.0.0"]
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; fall back anyway

@@ -72,8 +72,15 @@ class Pods:
         """Names of pods that exist now, terminating ones included."""
         return list(self._pods)
 
-    def pod_ip(self, name: str) -> str:
-        return self._pod(name).ip
+    def pod_ip(self, name: str, family: int = 4) -> str:
+        """Pod *name*'s address of *family* (4 or 6; 6 only in a dual-stack lab)."""
+        rec = self._pod(name)
+        if family == 4:
+            return rec.ip
+        if family == 6 and rec.ip6:
+            return rec.ip6
+        raise ValueError(f"pod {name} has no IPv{family} address"
+                         + (" (this lab is IPv4-only; see --dual-stack)" if family == 6 else ""))
 
     def pod_node(self, name: str) -> str:
         return self._pod(name).spec.node
@@ -89,7 +96,7 @@ class Pods:
         """A pod as the lab sees it: spec fields plus ip, uid, terminating, process."""
         r = self._pod(name)
         return {**r.spec.to_dict(), "ready": r.spec.ready, "namespace": r.spec.namespace,
-                "ip": r.ip, "uid": r.uid, "terminating": r.terminating,
+                "ip": r.ip, "ip6": r.ip6, "uid": r.uid, "terminating": r.terminating,
                 "deleteAt": r.delete_at, "pid": r.proc.pid if r.proc else None,
                 "alive": bool(r.proc and r.proc.alive())}
 
@@ -223,7 +230,8 @@ class Pods:
             self._namespaces.append(ns)
         self._save()  # record the namespace before it exists: a crash here still cleans up
         ip = topology.add_pod(self.plan, spec.name, spec.node, slot, spec.ip)
-        rec = PodRecord(spec=spec, ip=ip, slot=slot, uid=str(uuid.uuid4()))
+        rec = PodRecord(spec=spec, ip=ip, slot=slot, uid=str(uuid.uuid4()),
+                        ip6=self.plan.pod_ip6(spec.node, slot))
         self._pods[spec.name] = rec
         return rec
 

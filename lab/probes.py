@@ -7,6 +7,11 @@ readiness checks ``can_connect`` and ``http_ok`` the lab polls while it
 starts. ``NoReply`` is how a connection that closed without a complete
 reply surfaces.
 
+Both families: every probe takes the address family from the address it is
+given (``family_of``), so ``lab.request("client", lab.node_ip("node1", 6),
+port)`` speaks IPv6 with no other change, and an IPv6 address is bracketed
+where HTTP wants it (``host_port``: ``[fd00:77::11]:30080``).
+
 Never: send traffic anywhere but the addresses the caller names (always
 lab addresses), or create a socket outside a lab namespace: every socket is
 made by ``lab.netns.socket_in`` in the namespace of the named source.
@@ -26,6 +31,16 @@ from typing import Any
 
 from lab import netns
 from lab.lb.rules import describe_error
+
+
+def family_of(ip: str) -> int:
+    """``AF_INET6`` for an IPv6 address (it has a colon), else ``AF_INET``."""
+    return socket.AF_INET6 if ":" in ip else socket.AF_INET
+
+
+def host_port(ip: str, port: int) -> str:
+    """``ip:port`` as a URL or a ``Host`` header spells it (IPv6 in brackets)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 class NoReply(ConnectionError, EOFError):
@@ -65,15 +80,15 @@ class Traffic:
         without a complete reply raises :class:`NoReply`.
         """
         mode = mode.upper()
-        with self.socket(src) as s:
+        with self.socket(src, family_of(ip)) as s:
             s.settimeout(timeout)
             s.connect((ip, port))
             if mode in ("WHO", "HOLD"):
                 s.sendall(mode.encode() + b"\n" + payload)
                 return json.loads(_read_line(s))
             if mode == "HTTP":
-                s.sendall(f"GET / HTTP/1.1\r\nHost: {ip}:{port}\r\nConnection: close\r\n\r\n"
-                          .encode())
+                s.sendall(f"GET / HTTP/1.1\r\nHost: {host_port(ip, port)}\r\n"
+                          "Connection: close\r\n\r\n".encode())
                 return _parse_http(_read_all(s))[1]
             if mode in ("SINK", "ECHO"):
                 return _send_and_collect(s, mode, payload)
@@ -82,11 +97,11 @@ class Traffic:
     def http_get(self, src: str, ip: str, port: int, path: str = "/",
                  timeout: float = 2.0) -> tuple[int, bytes]:
         """A plain HTTP/1.1 GET from inside *src*: (status code, body)."""
-        with self.socket(src) as s:
+        with self.socket(src, family_of(ip)) as s:
             s.settimeout(timeout)
             s.connect((ip, port))
-            s.sendall(f"GET {path} HTTP/1.1\r\nHost: {ip}:{port}\r\nConnection: close\r\n\r\n"
-                      .encode())
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host_port(ip, port)}\r\n"
+                      "Connection: close\r\n\r\n".encode())
             status, body = _parse_http(_read_all(s), raw=True)
             return status, body
 
@@ -124,7 +139,7 @@ class Traffic:
 def _dial(ns: str, ip: str, port: int, timeout: float) -> socket.socket | None:
     """A socket in *ns* connected to ip:port within *timeout*, or None."""
     try:
-        s = netns.socket_in(ns)
+        s = netns.socket_in(ns, family_of(ip))
     except OSError:
         return None
     try:
@@ -151,7 +166,7 @@ def http_ok(ns: str, ip: str, port: int, path: str) -> bool:
     if s is None:
         return False
     try:
-        s.sendall(f"GET {path} HTTP/1.0\r\nHost: {ip}:{port}\r\n\r\n".encode())
+        s.sendall(f"GET {path} HTTP/1.0\r\nHost: {host_port(ip, port)}\r\n\r\n".encode())
         return _read_all(s).startswith((b"HTTP/1.0 200", b"HTTP/1.1 200"))
     except OSError:
         return False

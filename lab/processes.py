@@ -74,6 +74,8 @@ class Processes:
         else:
             argv = [sys.executable, "-m", "lab.echo", "--name", spec.name, "--node",
                     spec.node, "--port", str(spec.port)]
+            if rec.ip6:  # a dual-stack pod answers on both families
+                argv += ["--bind", "0.0.0.0", "--bind", "::"]
         rec.proc = self.spawn(ns, argv, f"pod/{rec.spec.name}",
                               self.logs_dir / f"pod-{rec.spec.name}.log")
 

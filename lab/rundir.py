@@ -73,6 +73,8 @@ class PodRecord:
     terminating: bool = False
     delete_at: float | None = None
     proc: ProcInfo | None = None
+    ip6: str | None = None
+    """Its IPv6 address in a dual-stack lab."""
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -84,7 +86,7 @@ class PodRecord:
         s = self.spec
         return PodState(name=s.name, node=s.node, ip=self.ip, labels=s.labels, port=s.port,
                         port_name=s.port_name, ready=s.ready, terminating=self.terminating,
-                        namespace=s.namespace, uid=self.uid)
+                        namespace=s.namespace, uid=self.uid, ip6=self.ip6)
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> PodRecord:
@@ -92,7 +94,7 @@ class PodRecord:
         proc = ProcInfo(**d["proc"]) if d.get("proc") else None
         return cls(spec=spec, ip=d["ip"], slot=d["slot"], uid=d["uid"],
                    terminating=d.get("terminating", False), delete_at=d.get("delete_at"),
-                   proc=proc)
+                   proc=proc, ip6=d.get("ip6"))
 
 
 def read_record(run_dir: str | os.PathLike[str]) -> dict[str, Any]:

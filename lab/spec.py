@@ -17,6 +17,9 @@ Lab file format
     nodes: 3                  # a count (names node1..nodeN) or a list of names
     cluster:                  # optional cluster-wide settings
       serviceCIDR: 10.96.0.0/16   # ClusterIPs are allocated from it (IPv4, /12 to /28)
+      dualStack: false            # true: every node, pod, the client and the LB also get
+                                  # an IPv6 address (fd00::/8); IPv6 ClusterIPs come from
+                                  # fd00:10:96::/112 (what `kpx lab up --dual-stack` sets)
       externalIPRoutes:           # which node the router (the lb namespace) sends each
         203.0.113.10: node2       # externalIP to; an externalIP not listed goes to the
                                   # first node
@@ -54,6 +57,10 @@ Lab file format
           healthCheckNodePort: 32080      # optional: allocated when omitted
           clusterIP: 10.96.0.50           # optional: allocated from cluster.serviceCIDR
           externalIPs: [203.0.113.10]     # optional: routed by the lab to a node
+          ipFamilyPolicy: PreferDualStack # optional: SingleStack | PreferDualStack |
+                                          # RequireDualStack (dual-stack labs only)
+          ipFamilies: [IPv4, IPv6]        # optional: [IPv6] is single-stack IPv6
+          clusterIPs: [10.96.0.51, "fd00:10:96::51"]   # optional, one per family
     loadBalancer:             # optional; an external L4 LB in front of the nodes
       service: default/web    # "namespace/name" or "name" (namespace default)
       mode: passthrough       # passthrough (client IP reaches the node) | proxy
@@ -84,6 +91,15 @@ them deterministically, as the API server would, and keeps them across
 ``kpx lab apply``. Unknown keys in ``loadBalancer`` are kept untouched, so
 the load balancer can grow options without this module changing.
 
+IP families: in an IPv4-only lab every service is single-stack IPv4, and a
+service that asks for IPv6 (``ipFamilies``, ``RequireDualStack``, an IPv6
+clusterIP) is refused, naming the service and the field. In a dual-stack
+lab a service that names neither ``ipFamilyPolicy`` nor ``ipFamilies`` gets
+``PreferDualStack`` (IPv4 first): the lab's choice, so that any lab file
+(and the built-in one) becomes dual-stack with ``--dual-stack`` alone. Say
+``ipFamilyPolicy: SingleStack`` for an IPv4-only service, ``ipFamilies:
+[IPv6]`` for an IPv6-only one. ExternalIPs stay IPv4.
+
 The lab plays the API server, so what it would refuse is refused here, one
 message per problem: a clusterIP that is not an IPv4 address, lies outside
 ``cluster.serviceCIDR`` (or is its network or broadcast address), or is
@@ -110,7 +126,7 @@ from typing import Any
 
 import yaml
 
-from lab.topology import INFRA_NETWORKS, LAB_NETWORKS
+from lab.topology import INFRA_NETWORKS, LAB_NETWORKS, SERVICE_CIDR6
 
 MAX_NODES = 50
 MAX_PODS_PER_NODE = 200
@@ -136,6 +152,9 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 LB_MODES = ("passthrough", "proxy")
+IP_FAMILY_POLICIES = ("SingleStack", "PreferDualStack", "RequireDualStack")
+IP_FAMILIES = ("IPv4", "IPv6")
+DUAL_STACK_HINT = "cluster.dualStack: true, or kpx lab up --dual-stack"
 PROBE_TYPES = ("http", "tcp")
 IP_MODES = ("VIP", "Proxy")
 POD_IMAGES = ("echo", "nginx")
@@ -221,6 +240,8 @@ class LabSpec:
     """``cluster.podCIDRs``: node -> the networks routed to its pods (with nodeIPs)."""
     node_fields: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """``cluster.nodeFields``: node -> labels/taints/deletionTimestamp for its Node object."""
+    dual_stack: bool = False
+    """``cluster.dualStack``: everything also gets an IPv6 address (``lab.topology``)."""
 
     # --- construction -------------------------------------------------------
 
@@ -249,10 +270,23 @@ class LabSpec:
         return cls.from_dict(data, source)
 
     @classmethod
-    def default(cls) -> LabSpec:
-        """The built-in lab: 3 nodes, one LoadBalancer eTP=Local service, its pod on node1."""
+    def default(cls, dual_stack: bool = False) -> LabSpec:
+        """The built-in lab: 3 nodes, one LoadBalancer eTP=Local service, its pod on node1.
+
+        *dual_stack*: the same lab dual-stack; its service (which names no IP
+        family) becomes ``PreferDualStack``, so it answers on both families.
+        """
         text = resources.files("lab").joinpath("default.yaml").read_text()
-        return cls.from_yaml(text, "lab/default.yaml")
+        spec = cls.from_yaml(text, "lab/default.yaml")
+        return spec.with_dual_stack() if dual_stack else spec
+
+    def with_dual_stack(self) -> LabSpec:
+        """This lab, dual-stack (``kpx lab up --dual-stack``, ``Lab(..., dual_stack=True)``)."""
+        if self.dual_stack:
+            return self
+        raw = self.to_dict()
+        raw.setdefault("cluster", {})["dualStack"] = True
+        return LabSpec.from_dict(raw, "--dual-stack", check_lb_service=False)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "lab spec",
@@ -270,10 +304,11 @@ class LabSpec:
         nodes = _parse_nodes(data.get("nodes", 3), problems)
         cidr, routes = _parse_cluster(data.get("cluster"), nodes, problems)
         node_ips, pod_cidrs = _parse_addresses(data.get("cluster"), nodes, cidr, problems)
+        dual_stack = _parse_dual_stack(data.get("cluster"), bool(node_ips), problems)
         node_fields = _parse_node_fields(data.get("cluster"), nodes, problems)
         pods = _parse_pods(data.get("pods") or [], nodes, problems)
         _check_pod_ips(pods, node_ips, pod_cidrs, problems)
-        services = _parse_services(data.get("services") or [], problems, cidr)
+        services = _parse_services(data.get("services") or [], problems, cidr, dual_stack)
         lb = _parse_lb(data.get("loadBalancer"), services, problems, check_lb_service)
         if check_lb_service:
             listed = {ip for svc in services for ip in svc["spec"].get("externalIPs") or []}
@@ -283,7 +318,7 @@ class LabSpec:
             raise LabSpecError(problems, source)
         return cls(tuple(nodes), tuple(pods), tuple(services), lb,
                    str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes, node_ips, pod_cidrs,
-                   node_fields)
+                   node_fields, dual_stack)
 
     def to_dict(self) -> dict[str, Any]:
         """The lab-file form; ``LabSpec.from_dict(spec.to_dict()) == spec``."""
@@ -297,6 +332,8 @@ class LabSpec:
         cluster: dict[str, Any] = {}
         if self.service_cidr != DEFAULT_SERVICE_CIDR:
             cluster["serviceCIDR"] = self.service_cidr
+        if self.dual_stack:
+            cluster["dualStack"] = True
         if self.external_ip_routes:
             cluster["externalIPRoutes"] = dict(self.external_ip_routes)
         if self.node_ips:
@@ -404,7 +441,8 @@ def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
     if not isinstance(raw, Mapping):
         problems.append("cluster: must be a mapping (serviceCIDR, externalIPRoutes)")
         return None, {}
-    allowed = ("externalIPRoutes", "nodeFields", "nodeIPs", "podCIDRs", "serviceCIDR")
+    allowed = ("dualStack", "externalIPRoutes", "nodeFields", "nodeIPs", "podCIDRs",
+               "serviceCIDR")
     problems += [f"cluster.{k}: unknown key (expected {', '.join(allowed)})"
                  for k in sorted(set(map(str, raw)) - set(allowed))]
     cidr = _parse_service_cidr(raw.get("serviceCIDR", DEFAULT_SERVICE_CIDR), problems)
@@ -422,6 +460,19 @@ def _parse_cluster(raw: Any, nodes: list[str], problems: list[str]
         else:
             routes[str(_ipv4(ip))] = node
     return cidr, routes
+
+
+def _parse_dual_stack(raw: Any, given: bool, problems: list[str]) -> bool:
+    """``cluster.dualStack``: a boolean, and only for the lab's own addressing plan."""
+    value = raw.get("dualStack", False) if isinstance(raw, Mapping) else False
+    if not isinstance(value, bool):
+        problems.append(f"cluster.dualStack: must be true or false, got {value!r}")
+        return False
+    if value and given:
+        problems.append("cluster.dualStack: not with cluster.nodeIPs (a mirrored cluster's"
+                        " addresses are IPv4; the dual-stack plan is the lab's own)")
+        return False
+    return value
 
 
 def _unknown_node(where: str, node: object, nodes: list[str]) -> str:
@@ -677,7 +728,8 @@ def _parse_pods(raw: Any, nodes: list[str], problems: list[str]) -> list[PodSpec
 
 
 def _parse_services(raw: Any, problems: list[str],
-                    cidr: ipaddress.IPv4Network | None = None) -> list[dict[str, Any]]:
+                    cidr: ipaddress.IPv4Network | None = None,
+                    dual_stack: bool = False) -> list[dict[str, Any]]:
     """Validate each Service, then what only the set can break (names, ports, clusterIPs)."""
     if not isinstance(raw, list):
         problems.append("services: must be a list of v1 Service objects")
@@ -688,7 +740,7 @@ def _parse_services(raw: Any, problems: list[str],
     cluster_ips: dict[str, str] = {}
     for i, obj in enumerate(raw):
         before = len(problems)
-        _validate_service(obj, i, problems, cidr)
+        _validate_service(obj, i, problems, cidr, dual_stack)
         if len(problems) != before:
             continue
         key = service_key(obj)
@@ -713,14 +765,27 @@ def _parse_services(raw: Any, problems: list[str],
             if other:
                 problems.append(f"{where}: spec.healthCheckNodePort: {hc} already used by {other}")
             node_ports[(hc, "TCP")] = f"{key} healthCheckNodePort"
-        ip = _given_cluster_ip(spec)
-        if ip and ip != "None":
+        for fname, ip in _given_cluster_ips(spec):
+            if ip == "None":
+                continue
             other = cluster_ips.get(ip)
             if other:
-                fname = "clusterIP" if spec.get("clusterIP") else "clusterIPs[0]"
                 problems.append(f"{where}: spec.{fname}: {ip} is already allocated to {other}")
             cluster_ips.setdefault(ip, key)
         out.append(copy.deepcopy(dict(obj)))
+    return out
+
+
+def _given_cluster_ips(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(field, address)`` of every clusterIP a lab file asks for, in clusterIPs order."""
+    out: list[tuple[str, str]] = []
+    first = _given_cluster_ip(spec)
+    if first is not None:
+        out.append(("clusterIP" if spec.get("clusterIP") else "clusterIPs[0]", first))
+    ips = spec.get("clusterIPs")
+    if isinstance(ips, list):
+        out += [(f"clusterIPs[{k}]", ip) for k, ip in enumerate(ips)
+                if k > 0 and isinstance(ip, str) and ip]
     return out
 
 
@@ -734,7 +799,8 @@ def _given_cluster_ip(spec: Mapping[str, Any]) -> str | None:
 
 
 def _validate_service(obj: Any, i: int, problems: list[str],
-                      cidr: ipaddress.IPv4Network | None = None) -> None:
+                      cidr: ipaddress.IPv4Network | None = None,
+                      dual_stack: bool = False) -> None:
     """The subset of API-server validation that matters to a proxy."""
     if not isinstance(obj, Mapping):
         problems.append(f"services[{i}]: must be a v1 Service mapping")
@@ -846,7 +912,8 @@ def _validate_service(obj: Any, i: int, problems: list[str],
     albnp = spec.get("allocateLoadBalancerNodePorts")
     if albnp is not None and not isinstance(albnp, bool):
         problems.append(f"{where}: spec.allocateLoadBalancerNodePorts: must be true or false")
-    _validate_cluster_ip(spec, stype, where, cidr, problems)
+    _validate_cluster_ip(spec, stype, where, cidr, problems, dual_stack)
+    _validate_families(spec, stype, where, dual_stack, problems)
     _validate_external_ips(spec.get("externalIPs"), stype, where, cidr, problems)
     if "status" in obj:
         problems.append(f"{where}: status: written by the lab, not the lab file (the"
@@ -854,8 +921,14 @@ def _validate_service(obj: Any, i: int, problems: list[str],
 
 
 def _validate_cluster_ip(spec: Mapping[str, Any], stype: Any, where: str,
-                         cidr: ipaddress.IPv4Network | None, problems: list[str]) -> None:
-    """``clusterIP``/``clusterIPs`` as the API server judges them, single-stack IPv4."""
+                         cidr: ipaddress.IPv4Network | None, problems: list[str],
+                         dual_stack: bool = False) -> None:
+    """``clusterIP``/``clusterIPs`` as the API server judges them: one address per family.
+
+    An IPv4 address must lie in ``cluster.serviceCIDR``, an IPv6 one (dual-stack
+    labs only) in ``SERVICE_CIDR6``; neither may be its range's network address
+    (nor, for IPv4, the broadcast address).
+    """
     ip, ips = spec.get("clusterIP"), spec.get("clusterIPs")
     if ip is not None and not isinstance(ip, str):
         problems.append(f"{where}: spec.clusterIP: must be a string, got {ip!r}")
@@ -864,34 +937,109 @@ def _validate_cluster_ip(spec: Mapping[str, Any], stype: Any, where: str,
         if not isinstance(ips, list) or not all(isinstance(x, str) for x in ips):
             problems.append(f"{where}: spec.clusterIPs: must be a list of strings")
             return
-        if len(ips) > 1:
+        if len(ips) > 1 and not dual_stack:
             problems.append(f"{where}: spec.clusterIPs: the lab is single-stack IPv4: at most"
                             " one address")
+            return
+        if len(ips) > 2:
+            problems.append(f"{where}: spec.clusterIPs: at most two addresses (one per family)")
             return
         if ip and ips and ips[0] != ip:
             problems.append(f"{where}: spec.clusterIPs[0]: {ips[0]!r} must equal spec.clusterIP"
                             f" {ip!r}")
             return
-    field_name = "clusterIP" if ip else "clusterIPs[0]"
-    ip = _given_cluster_ip(spec)
-    if ip is None:
+    given = _given_cluster_ips(spec)
+    if not given:
         return
     if stype == "ExternalName":
-        problems.append(f"{where}: spec.{field_name}: must be empty for ExternalName services")
-    elif ip == "None":
+        problems.append(f"{where}: spec.{given[0][0]}: must be empty for ExternalName services")
+        return
+    if given[0][1] == "None":
         if stype in ("NodePort", "LoadBalancer"):
-            problems.append(f"{where}: spec.{field_name}: None (headless) is only for ClusterIP"
+            problems.append(f"{where}: spec.{given[0][0]}: None (headless) is only for ClusterIP"
                             " services")
-    elif (addr := _ipv4(ip)) is None:
-        problems.append(f"{where}: spec.{field_name}: {ip!r} is not an IPv4 address")
-    elif cidr is not None:
-        if addr not in cidr:
-            problems.append(f"{where}: spec.{field_name}: {ip} is not in the service CIDR"
-                            f" {cidr} (cluster.serviceCIDR)")
-        elif addr in (cidr.network_address, cidr.broadcast_address):
-            problems.append(f"{where}: spec.{field_name}: {ip} is the service CIDR's"
-                            f" {'network' if addr == cidr.network_address else 'broadcast'}"
-                            " address")
+        if len(given) > 1:
+            problems.append(f"{where}: spec.clusterIPs: a headless service has only None")
+        return
+    cidr6 = ipaddress.IPv6Network(SERVICE_CIDR6)
+    versions: list[int] = []
+    for field_name, text in given:
+        fw = f"{where}: spec.{field_name}"
+        addr = _ip(text)
+        if addr is None:
+            problems.append(f"{fw}: {text!r} is not an {'IP' if dual_stack else 'IPv4'} address")
+            continue
+        versions.append(addr.version)
+        if addr.version == 6:
+            if not dual_stack:
+                problems.append(f"{fw}: {text} is IPv6, and this lab is IPv4-only"
+                                f" ({DUAL_STACK_HINT})")
+            elif addr not in cidr6:
+                problems.append(f"{fw}: {text} is not in the lab's IPv6 service CIDR {cidr6}")
+            elif addr == cidr6.network_address:
+                problems.append(f"{fw}: {text} is the IPv6 service CIDR's network address")
+        elif cidr is not None:
+            if addr not in cidr:
+                problems.append(f"{fw}: {text} is not in the service CIDR {cidr}"
+                                " (cluster.serviceCIDR)")
+            elif addr in (cidr.network_address, cidr.broadcast_address):
+                problems.append(f"{fw}: {text} is the service CIDR's"
+                                f" {'network' if addr == cidr.network_address else 'broadcast'}"
+                                " address")
+    if len(versions) == 2 and versions[0] == versions[1]:
+        problems.append(f"{where}: spec.clusterIPs: two addresses must be of different families"
+                        " (one IPv4, one IPv6)")
+
+
+def _validate_families(spec: Mapping[str, Any], stype: Any, where: str, dual_stack: bool,
+                       problems: list[str]) -> None:
+    """``ipFamilyPolicy`` and ``ipFamilies``, and that ``clusterIPs`` agree with them."""
+    policy, families = spec.get("ipFamilyPolicy"), spec.get("ipFamilies")
+    if stype == "ExternalName":
+        for name, value in (("ipFamilyPolicy", policy), ("ipFamilies", families)):
+            if value is not None:
+                problems.append(f"{where}: spec.{name}: not for ExternalName services")
+        return
+    if policy is not None and policy not in IP_FAMILY_POLICIES:
+        problems.append(f"{where}: spec.ipFamilyPolicy: must be one of"
+                        f" {', '.join(IP_FAMILY_POLICIES)}, got {policy!r}")
+        return
+    if policy == "RequireDualStack" and not dual_stack:
+        problems.append(f"{where}: spec.ipFamilyPolicy: RequireDualStack needs a dual-stack lab"
+                        f" ({DUAL_STACK_HINT})")
+    fams: list[str] = []
+    if families is not None:
+        if (not isinstance(families, list) or not 1 <= len(families) <= 2
+                or not all(f in IP_FAMILIES for f in families)):
+            problems.append(f"{where}: spec.ipFamilies: must be one or two of IPv4, IPv6,"
+                            f" got {families!r}")
+            return
+        if len(set(families)) != len(families):
+            problems.append(f"{where}: spec.ipFamilies: {families[0]} is listed twice")
+            return
+        fams = list(families)
+        if "IPv6" in fams and not dual_stack:
+            problems.append(f"{where}: spec.ipFamilies: IPv6 needs a dual-stack lab"
+                            f" ({DUAL_STACK_HINT})")
+        if len(fams) == 2 and policy in (None, "SingleStack"):
+            problems.append(f"{where}: spec.ipFamilyPolicy: two ipFamilies need PreferDualStack"
+                            f" or RequireDualStack, not {policy or 'the default SingleStack'}")
+    given = [ip for _, ip in _given_cluster_ips(spec) if ip != "None"]
+    versions = [a.version for ip in given if (a := _ip(ip)) is not None]
+    if len(versions) == 2 and policy == "SingleStack":
+        problems.append(f"{where}: spec.clusterIPs: two addresses need PreferDualStack or"
+                        " RequireDualStack, not SingleStack")
+    for k, (fam, version) in enumerate(zip(fams, versions, strict=False)):
+        if fam != f"IPv{version}":
+            problems.append(f"{where}: spec.clusterIPs[{k}]: {given[k]} is not {fam}, the"
+                            f" family spec.ipFamilies[{k}] names")
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
 
 
 def _validate_external_ips(raw: Any, stype: Any, where: str,

@@ -46,6 +46,25 @@ the node has a podCIDR or the pods share the node's VPC subnet (EKS, AKS
 with Azure CNI), and it takes no address a real pod could have. Only the
 router's and the client's networks stay the lab's own (``INFRA_NETWORKS``).
 
+Dual-stack (``kpx lab up --dual-stack``, ``cluster.dualStack: true``): the
+same picture again in IPv6 ULA space (``fd00::/8``), beside the IPv4 one
+on the same links::
+
+      client fd00:79::100/64, default via fd00:79::1
+      lb     eth1 fd00:79::1/64, eth0 fd00:77::2/64; fd00:244:0:I::/64 via node I
+      nodeI  eth0 fd00:77::(10+I)/64 (hex digits that read as 10.77.0.(10+I));
+             cbr0 fd00:244:0:I::1/64; fd00:244:0:J::/64 via node J;
+             fd00:79::/64 and the IPv6 service CIDR via fd00:77::2
+      pod    eth0 fd00:244:0:I::(10+K)/64, default via fd00:244:0:I::1
+
+IPv6 forwarding is turned on in the router namespaces only (the lb and the
+nodes: ``net.ipv6.conf.all.forwarding`` inside them). Every address is added
+with ``nodad`` and the namespaces have ``accept_dad`` off (link-local
+addresses included), so an address is usable the moment it exists: no
+"tentative" window to sleep through. The bridges' multicast snooping is off,
+so neighbour solicitations reach every port whether or not an MLD report
+was seen. A lab with given addresses (``cluster.nodeIPs``) stays IPv4-only.
+
 Service VIPs: a pod's default route already takes a ClusterIP (or an
 externalIP, or the LB's ingress IP) to its node, where kpx takes it. A node
 has no default route, so it gets one for the service CIDR, via the router,
@@ -106,6 +125,51 @@ BASE_SYSCTLS: dict[str, str | int] = {
 }
 ROUTER_SYSCTLS: dict[str, str | int] = {**BASE_SYSCTLS, "net.ipv4.ip_forward": 1}
 
+# --- IPv6 (dual-stack labs only) ---------------------------------------------------
+NODE_NET6 = "fd00:77::/64"
+LB_NODE_IP6 = "fd00:77::2"
+CLIENT_NET6 = "fd00:79::/64"
+LB_CLIENT_IP6 = "fd00:79::1"
+CLIENT_IP6 = "fd00:79::100"
+PREFIXLEN6 = 64
+POD_NETWORK6 = "fd00:244::/48"
+"""Every node's IPv6 pod CIDR (``pod_cidr6``) lies in it."""
+SERVICE_CIDR6 = "fd00:10:96::/112"
+"""Where IPv6 ClusterIPs come from (kind's default IPv6 service range)."""
+LAB_NETWORKS6: dict[str, str] = {"IPv6 node network": NODE_NET6,
+                                 "IPv6 client network": CLIENT_NET6,
+                                 "IPv6 pod network": POD_NETWORK6}
+"""The lab's own IPv6 address space: no IPv6 service address may overlap it."""
+IFA_F_NODAD = 0x02
+"""``ip addr add ... nodad``: the address skips duplicate address detection."""
+DAD_SYSCTLS: dict[str, str | int] = {
+    "net.ipv6.conf.all.accept_dad": 0,
+    "net.ipv6.conf.default.accept_dad": 0,
+}
+"""Set before any link exists, so even link-local addresses are never tentative."""
+ROUTER_SYSCTLS6: dict[str, str | int] = {**DAD_SYSCTLS, "net.ipv6.conf.all.forwarding": 1}
+
+
+def node_ip6(index: int) -> str:
+    """Node *index* (1-based) lives at fd00:77::(10+index) (hex, read like its IPv4 one)."""
+    return f"fd00:77::{10 + index}"
+
+
+def pod_cidr6(index: int) -> str:
+    return f"fd00:244:0:{index}::/64"
+
+
+def pod_gateway6(index: int) -> str:
+    return f"fd00:244:0:{index}::1"
+
+
+def pod_ip6(node_index: int, slot: int) -> str:
+    """Pod *slot* of node *node_index*: fd00:244:0:node::(10+slot), read like its IPv4 one.
+
+    Decimal digits used as hex groups (node 1's pod 1 is fd00:244:0:1::11),
+    so an address says which node and slot it is at a glance."""
+    return f"fd00:244:0:{node_index}::{10 + slot}"
+
 
 def node_ip(index: int) -> str:
     """Node *index* (1-based) lives at 10.77.0.(10+index)."""
@@ -143,6 +207,8 @@ class Plan:
     nodes: tuple[str, ...]
     node_ips: Mapping[str, str] = field(default_factory=dict)
     pod_cidrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    dual_stack: bool = False
+    """Every node, pod, the client and the lb also get an IPv6 address (the lab's plan only)."""
 
     @property
     def given(self) -> bool:
@@ -189,6 +255,23 @@ class Plan:
             return self.node_ips[node]
         return node_ip(self.node_index(node))
 
+    def pod_ip6(self, node: str, slot: int) -> str | None:
+        """The IPv6 address of the pod in *slot* of *node*; None in an IPv4-only lab."""
+        return pod_ip6(self.node_index(node), slot) if self.dual_stack else None
+
+    def node_ip6(self, node: str) -> str | None:
+        """*node*'s IPv6 address; None in an IPv4-only lab."""
+        return node_ip6(self.node_index(node)) if self.dual_stack else None
+
+    def pod_networks6_of(self, node: str) -> tuple[str, ...]:
+        """The IPv6 networks routed to *node*'s pods (none in an IPv4-only lab)."""
+        return (pod_cidr6(self.node_index(node)),) if self.dual_stack else ()
+
+    @property
+    def pod_networks6(self) -> tuple[str, ...]:
+        """Every node's IPv6 pod networks, merged (empty in an IPv4-only lab)."""
+        return (POD_NETWORK6,) if self.dual_stack else ()
+
     def infra_namespaces(self) -> list[str]:
         return [self.sw, self.lb, self.client, *(self.node_ns(n) for n in self.nodes)]
 
@@ -229,7 +312,14 @@ def _up(ipr: Any, ifname: str, **kw: Any) -> int:
     return idx
 
 
-def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
+def _addr6(ipr: Any, ifname: str, address: str, prefixlen: int = PREFIXLEN6) -> None:
+    """An IPv6 address added ``nodad``: usable at once, never tentative."""
+    ipr.addr("add", index=_idx(ipr, ifname), address=address, prefixlen=prefixlen,
+             flags=IFA_F_NODAD)
+
+
+def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16",
+                 service_cidr6: str = SERVICE_CIDR6) -> None:
     """Create every infrastructure namespace and wire it (not the pods).
 
     The namespaces must not exist yet. On failure the caller tears down by
@@ -238,14 +328,18 @@ def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
     for ns in plan.infra_namespaces():
         netns.create(ns)
     for ns in plan.infra_namespaces():
-        sysctls = ROUTER_SYSCTLS if ns != plan.sw and ns != plan.client else BASE_SYSCTLS
+        router = ns != plan.sw and ns != plan.client
+        sysctls = ROUTER_SYSCTLS if router else BASE_SYSCTLS
+        if plan.dual_stack:
+            sysctls = {**sysctls, **(ROUTER_SYSCTLS6 if router else DAD_SYSCTLS)}
         netns.sysctl_in(ns, sysctls)
 
     with _handles(plan.infra_namespaces()) as h:
         for ipr in h.values():
             _up(ipr, "lo")
         sw = h[plan.sw]
-        sw.link("add", ifname="br0", kind="bridge", br_stp_state=0, br_forward_delay=0)
+        sw.link("add", ifname="br0", kind="bridge", br_stp_state=0, br_forward_delay=0,
+                **_bridge_extra(plan))
         br = _up(sw, "br0")
 
         # lb: one leg on the node network, one on the client network.
@@ -275,7 +369,8 @@ def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
             ipr.addr("add", index=_idx(ipr, "eth0"), address=node_ip(i),
                      prefixlen=NODE_PREFIXLEN)
             _up(ipr, "eth0")
-            ipr.link("add", ifname="cbr0", kind="bridge", br_stp_state=0, br_forward_delay=0)
+            ipr.link("add", ifname="cbr0", kind="bridge", br_stp_state=0, br_forward_delay=0,
+                     **_bridge_extra(plan))
             ipr.addr("add", index=_idx(ipr, "cbr0"), address=pod_gateway(i),
                      prefixlen=POD_PREFIXLEN)
             _up(ipr, "cbr0")
@@ -284,6 +379,32 @@ def build_fabric(plan: Plan, service_cidr: str = "10.96.0.0/16") -> None:
             for j, _ in enumerate(plan.nodes, start=1):
                 if j != i:
                     ipr.route("add", dst=pod_cidr(j), gateway=node_ip(j))
+        if plan.dual_stack:
+            _wire_ipv6(plan, h, service_cidr6)
+
+
+def _bridge_extra(plan: Plan) -> dict[str, Any]:
+    """A dual-stack lab's bridges flood multicast (neighbour solicitations) to every port."""
+    return {"br_mcast_snooping": 0} if plan.dual_stack else {}
+
+
+def _wire_ipv6(plan: Plan, h: Mapping[str, Any], service_cidr6: str) -> None:
+    """The IPv6 half of a dual-stack fabric, on the links the IPv4 half made (see above)."""
+    lb, client = h[plan.lb], h[plan.client]
+    _addr6(lb, "eth0", LB_NODE_IP6)
+    _addr6(lb, "eth1", LB_CLIENT_IP6)
+    _addr6(client, "eth0", CLIENT_IP6)
+    client.route("add", dst="::/0", gateway=LB_CLIENT_IP6)
+    for i, node in enumerate(plan.nodes, start=1):
+        lb.route("add", dst=pod_cidr6(i), gateway=node_ip6(i))
+        ipr = h[plan.node_ns(node)]
+        _addr6(ipr, "eth0", node_ip6(i))
+        _addr6(ipr, "cbr0", pod_gateway6(i))
+        ipr.route("add", dst=CLIENT_NET6, gateway=LB_NODE_IP6)
+        ipr.route("add", dst=service_cidr6, gateway=LB_NODE_IP6)
+        for j, _ in enumerate(plan.nodes, start=1):
+            if j != i:
+                ipr.route("add", dst=pod_cidr6(j), gateway=node_ip6(j))
 
 
 def _wire_given_nodes(plan: Plan, h: Mapping[str, Any], br: int, service_cidr: str) -> None:
@@ -344,14 +465,16 @@ def add_pod(plan: Plan, pod: str, node: str, slot: int, given_ip: str | None = N
     """Create pod *pod*'s namespace behind *node* in *slot*; returns its IP.
 
     *given_ip* (a lab with given addresses) is the pod's address: a /32 with
-    the link-local gateway, and a host route to it on the node's cbr0.
+    the link-local gateway, and a host route to it on the node's cbr0. In a
+    dual-stack lab the pod also gets ``pod_ip6(node, slot)`` and an IPv6
+    default route via its node's cbr0 (``plan.pod_ip6`` gives the address).
     """
     i = plan.node_index(node)
     ns = plan.pod_ns(pod)
     ip = given_ip or pod_ip(i, slot)
     netns.create(ns)
     try:
-        netns.sysctl_in(ns, BASE_SYSCTLS)
+        netns.sysctl_in(ns, {**BASE_SYSCTLS, **DAD_SYSCTLS} if plan.dual_stack else BASE_SYSCTLS)
         with _handles([plan.node_ns(node), ns]) as h:
             host, pipr = h[plan.node_ns(node)], h[ns]
             hif = pod_host_ifname(slot)
@@ -377,6 +500,9 @@ def add_pod(plan: Plan, pod: str, node: str, slot: int, given_ip: str | None = N
                           prefixlen=POD_PREFIXLEN)
                 _up(pipr, "eth0")
                 pipr.route("add", dst="0.0.0.0/0", gateway=pod_gateway(i))
+                if plan.dual_stack:
+                    _addr6(pipr, "eth0", pod_ip6(i, slot))
+                    pipr.route("add", dst="::/0", gateway=pod_gateway6(i))
     except BaseException:
         netns.remove(ns)
         raise

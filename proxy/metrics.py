@@ -5,6 +5,11 @@ sidecar's ``/metrics`` serves. kube-proxy's own names are used where the
 meaning carries over; kpx's dataplane counters use ``kubeproxy_kpx_*`` so
 they sit beside them without pretending to be upstream metrics.
 
+The sync metrics carry kube-proxy's ``ip_family`` label (``IPv4``,
+``IPv6``), as its per-family proxiers set them since the dual-stack work
+of v1.33: one sync of kpx programs both families, and each family's series
+says what that family got.
+
 Never: be updated per chunk of data. The forwarder counts bytes per
 connection and adds them once, when the connection ends.
 """
@@ -18,12 +23,14 @@ from healthz.registry import REGISTRY
 SYNC_DURATION = Histogram(
     "kubeproxy_sync_proxy_rules_duration_seconds",
     "SyncProxyRules latency in seconds",
+    ["ip_family"],
     buckets=[0.001 * 2**i for i in range(15)],
     registry=REGISTRY,
 )
 SYNC_LAST_TIMESTAMP = Gauge(
     "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
     "The last time proxy rules were successfully synced",
+    ["ip_family"],
     registry=REGISTRY,
 )
 SYNC_LAST_QUEUED_TIMESTAMP = Gauge(
@@ -40,9 +47,16 @@ NETWORK_PROGRAMMING_DURATION = Histogram(
 NO_LOCAL_ENDPOINTS = Gauge(
     "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
     "Number of services with a Local traffic policy and no endpoints",
-    ["traffic_policy"],
+    ["traffic_policy", "ip_family"],
     registry=REGISTRY,
 )
+# IPv4 is always served: its series exist from the start, zero until the first
+# sync, as the unlabelled ones did before dual-stack. IPv6's appear with IPv6.
+SYNC_DURATION.labels(ip_family="IPv4")
+SYNC_LAST_TIMESTAMP.labels(ip_family="IPv4")
+for _policy in ("external", "internal"):
+    NO_LOCAL_ENDPOINTS.labels(traffic_policy=_policy, ip_family="IPv4")
+
 STATE_RELOAD_ERRORS = Counter(
     "kubeproxy_kpx_state_reload_errors",
     "State reloads refused because the input was malformed",

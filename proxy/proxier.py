@@ -6,7 +6,13 @@ source's worker thread when the source offers it), everything the snapshot
 means for this node, then hands it out as plain data:
 
 - the plans and listen addresses to the dataplane (``Dataplane.apply``), when
-  there is one (``kpx healthz`` runs the same sync with none);
+  there is one (``kpx healthz`` runs the same sync with none); on a
+  dual-stack node, as kube-proxy's MetaProxier, the IPv6 family's own result
+  to the IPv6 dataplane (``dataplane6``): ``SyncResult.ipv6``, or
+  ``empty_result`` when the node has no IPv6 address (it then serves none);
+- both families' health check hosts and local ready counts to healthz, the
+  families served to ``ProxyHealth.set_families``, and whether the node's
+  own ``/healthz`` answers over IPv6 too (``healthz_ipv6``);
 - the healthCheckNodePorts and local ready counts to healthz
   (``sync_services``, ``sync_endpoints``), and the node's eligibility to
   ``ProxyHealth`` (``sync_node``), as the proxier feeds ``healthcheck``
@@ -35,8 +41,8 @@ from typing import NamedTuple, Protocol
 from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.core.decision import PlanCache
-from proxy.core.model import Snapshot
-from proxy.core.sync import SyncConfig, SyncResult, compute_sync
+from proxy.core.model import FAMILY_NAMES, Snapshot
+from proxy.core.sync import SyncConfig, SyncResult, compute_sync, empty_result
 from proxy.sources.hub import StateHub
 from proxy.util.prepared import Prepared
 
@@ -57,13 +63,16 @@ class ServiceHealth(Protocol):
     """kube-proxy's ``ServiceHealthServer`` surface (``healthz.service_health``)."""
 
     def sync_services(self, ports: Mapping[str, int], hosts: Sequence[str]) -> None: ...
-    def sync_endpoints(self, local_ready: Mapping[str, int]) -> None: ...
+    def sync_endpoints(self, local_ready: Mapping[str, int],
+                       local_ready6: Mapping[str, int] | None = None) -> None: ...
 
 
 class _Prepared(NamedTuple):
     """The pure half of one sync, done ahead in a worker thread."""
 
     result: SyncResult
+    result6: SyncResult
+    """What the IPv6 dataplane applies: ``result.ipv6`` or the empty IPv6 result."""
     seen: Mapping[tuple[str, str], float]
     """The trigger times ``new_triggers`` was found against."""
     new_triggers: list[float]
@@ -77,24 +86,35 @@ class Proxier:
         config: SyncConfig,
         *,
         dataplane: Backend | None = None,
+        dataplane6: Backend | None = None,
         services: ServiceHealth | None = None,
         health: ProxyHealth | None = None,
+        healthz_ipv6: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.dataplane = dataplane
+        self.dataplane6 = dataplane6
+        """The IPv6 family's dataplane; None: IPv6 is not forwarded at all."""
+        self._healthz_ipv6 = healthz_ipv6
+        """Turns the node /healthz's IPv6 socket on or off (``Sidecar.serve_healthz_ipv6``)."""
+        self._ipv6_served: bool | None = None
         self.services = services
         self.health = health
         self._clock = clock
         self._started = clock()
         self._cache = PlanCache()
         self._udp_cache = PlanCache()
+        self._cache6 = PlanCache()
+        self._udp_cache6 = PlanCache()
         self._lock = threading.Lock()
         """``prepare`` (a worker thread) and ``sync`` (the loop) share the cache."""
         self._prepared: Prepared[_Prepared] = Prepared()
         self._triggers: Mapping[tuple[str, str], float] = {}
         """Trigger times already observed, by slice: each is observed once."""
         self._warned_no_node = False
+        self._ipv6_synced = False
+        """Whether the last sync programmed IPv6 (its metric series exist)."""
         self.last: SyncResult | None = None
         """The result of the last sync."""
 
@@ -113,7 +133,13 @@ class Proxier:
 
     def _compute(self, snapshot: Snapshot) -> SyncResult:
         with self._lock:
-            return compute_sync(snapshot, self.config, self._cache, self._udp_cache)
+            return compute_sync(snapshot, self.config, self._cache, self._udp_cache,
+                                self._cache6, self._udp_cache6)
+
+    @staticmethod
+    def _ipv6_of(result: SyncResult) -> SyncResult:
+        """What the IPv6 dataplane applies for ``result``: its IPv6 result, or nothing."""
+        return result.ipv6 or empty_result(result.generation, 6)
 
     def prepare(self, snapshot: Snapshot) -> None:
         """The pure half, in the caller's (a source's worker) thread, ahead of ``sync``.
@@ -123,10 +149,14 @@ class Proxier:
         that forwards traffic and answers health checks.
         """
         result = self._compute(snapshot)
+        result6 = self._ipv6_of(result)
         if self.dataplane is not None:
             self.dataplane.prepare(result)
+        if self.dataplane6 is not None:
+            self.dataplane6.prepare(result6)
         seen = self._triggers
-        self._prepared.put(snapshot, _Prepared(result, seen, self._new_triggers(result, seen)))
+        self._prepared.put(snapshot, _Prepared(result, result6, seen,
+                                               self._new_triggers(result, seen)))
 
     def sync(self, snapshot: Snapshot) -> None:
         """Put ``snapshot`` in force: dataplane, healthz and metrics, in that order.
@@ -138,29 +168,62 @@ class Proxier:
         started = time.perf_counter()
         prepared = self._prepared.take(snapshot)
         if prepared is not None and prepared.seen is self._triggers:
-            result, new_triggers = prepared.result, prepared.new_triggers
+            result, result6 = prepared.result, prepared.result6
+            new_triggers = prepared.new_triggers
         else:
-            result = prepared.result if prepared is not None else self._compute(snapshot)
+            if prepared is not None:
+                result, result6 = prepared.result, prepared.result6
+            else:
+                result = self._compute(snapshot)
+                result6 = self._ipv6_of(result)
             new_triggers = self._new_triggers(result, self._triggers)
         self.last = result
         self._note_node(result)
         failure: Exception | None = None
-        if self.dataplane is not None:
+        for dataplane, family_result in ((self.dataplane, result), (self.dataplane6, result6)):
+            if dataplane is None:
+                continue
             try:
-                self.dataplane.apply(result)
+                dataplane.apply(family_result)
             except Exception as exc:  # the others still get this sync
-                failure = exc
+                failure = failure or exc
+        self._note_families(result)
         if self.health is not None:
             self.health.sync_node(result.node_eligible)
         if self.services is not None:
+            six = result.ipv6
             try:
-                self.services.sync_services(result.health_check_ports, result.health_hosts)
-                self.services.sync_endpoints(result.local_ready)
+                self.services.sync_services(
+                    result.health_check_ports,
+                    result.health_hosts + (six.health_hosts if six is not None else ()))
+                self.services.sync_endpoints(result.local_ready,
+                                             six.local_ready if six is not None else None)
             except Exception:
                 log.exception("health checks of generation %d failed", result.generation)
         self._observe(result, new_triggers, time.perf_counter() - started)
         if failure is not None:
             raise failure
+
+    def _note_families(self, result: SyncResult) -> None:
+        """The families this node serves, to healthz: IPv6 while its Node has an IPv6 address.
+
+        Only with an IPv6 dataplane: a proxy that forwards no IPv6 must not
+        claim an IPv6 status, nor answer IPv6 health probes.
+        """
+        six = result.ipv6 is not None and (self.dataplane6 is not None or self.dataplane is None)
+        if six == self._ipv6_served:
+            return
+        was, self._ipv6_served = self._ipv6_served, six
+        if self.health is not None:
+            self.health.set_families(("IPv4", "IPv6") if six else ("IPv4",))
+        if self._healthz_ipv6 is not None:
+            try:
+                self._healthz_ipv6(six)
+            except Exception:
+                log.exception("cannot turn the IPv6 /healthz socket %s", "on" if six else "off")
+        if six or was:
+            log.info("serving %s", "IPv4 and IPv6" if six else "IPv4 only: the node has no"
+                     " IPv6 address")
 
     def _note_node(self, result: SyncResult) -> None:
         if result.node_known:
@@ -191,13 +254,23 @@ class Proxier:
 
     def _observe(self, result: SyncResult, new_triggers: list[float], elapsed: float) -> None:
         """kube-proxy's sync metrics for this sync."""
-        metrics.SYNC_DURATION.observe(elapsed)
-        metrics.SYNC_LAST_TIMESTAMP.set(self._clock())
+        now = self._clock()
+        families = [result] if result.ipv6 is None else [result, result.ipv6]
+        for family in families:
+            name = FAMILY_NAMES[family.family]
+            metrics.SYNC_DURATION.labels(ip_family=name).observe(elapsed)
+            metrics.SYNC_LAST_TIMESTAMP.labels(ip_family=name).set(now)
+            metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external", ip_family=name).set(
+                family.dropping)
+            metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal", ip_family=name).set(
+                family.dropping_internal)
+        if result.ipv6 is None and self._ipv6_synced:
+            # The node lost IPv6: its gauges say so, rather than freeze at their last values.
+            for policy in ("external", "internal"):
+                metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy=policy, ip_family="IPv6").set(0)
+        self._ipv6_synced = result.ipv6 is not None
         log.log(logging.INFO if elapsed >= SLOW_SYNC else logging.DEBUG,
                 "generation %d applied in %.0f ms", result.generation, elapsed * 1000)
-        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external").set(result.dropping)
-        metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="internal").set(result.dropping_internal)
-        now = self._clock()
         for trigger in new_triggers:
             metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - trigger))
         self._triggers = result.trigger_times

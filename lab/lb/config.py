@@ -71,6 +71,8 @@ class Probe:
 class Backend:
     name: str
     ip: str
+    ip6: str = ""
+    """The node's IPv6 address in a dual-stack lab ("" otherwise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,29 @@ class LBConfig:
     routes, from ``nodeIP:nodePort`` instead of the front, and reset it: a
     load balancer that backends can reach hairpins this way."""
 
+    listen_ip6: str = ""
+    """The IPv6 front (a dual-stack lab's): probes and forwarding to the nodes' IPv6
+    addresses, as a second, independent LB for that family. "" in an IPv4-only lab."""
+    masquerade_from6: tuple[str, ...] = ()
+    """``masquerade_from`` for the IPv6 front (the pods' IPv6 networks)."""
+    family: int = 4
+    """Which family this config serves: 4, or 6 for the view ``for_ipv6`` gives."""
+
+    def for_ipv6(self) -> LBConfig | None:
+        """The IPv6 front's own config: the same service, ports and probe over IPv6.
+
+        The daemon runs it as a second load balancer beside the IPv4 one, so
+        each family has its own verdicts and serving set, as a cloud LB's IPv6
+        frontend health-checks the backends' IPv6 addresses on its own.
+        None when there is no IPv6 front (or no node has an IPv6 address).
+        """
+        backends = tuple(Backend(b.name, b.ip6) for b in self.backends if b.ip6)
+        if self.family != 4 or not self.listen_ip6 or not backends:
+            return None
+        return dataclasses.replace(self, listen_ip=self.listen_ip6, backends=backends,
+                                   masquerade_from=self.masquerade_from6, listen_ip6="",
+                                   masquerade_from6=(), family=6)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
@@ -104,6 +129,7 @@ class LBConfig:
         raw["probe"] = Probe(**raw["probe"])
         raw["backends"] = tuple(Backend(**b) for b in raw["backends"])
         raw["masquerade_from"] = tuple(raw.get("masquerade_from", ()))
+        raw["masquerade_from6"] = tuple(raw.get("masquerade_from6", ()))
         return cls(**raw)
 
 
@@ -125,6 +151,8 @@ def resolve(
     status_path: str,
     listen_ip: str = FRONT_IP,
     masquerade_from: Sequence[str] = (),
+    listen_ip6: str = "",
+    masquerade_from6: Sequence[str] = (),
 ) -> LBConfig:
     """Apply defaults to a lab file's ``loadBalancer`` section and resolve its ports.
 
@@ -206,6 +234,8 @@ def resolve(
         ),
         backends=tuple(backends),
         masquerade_from=tuple(masquerade_from),
+        listen_ip6=listen_ip6,
+        masquerade_from6=tuple(masquerade_from6),
         status_path=status_path,
         connect_timeout=float(connect_timeout),
     )

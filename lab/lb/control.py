@@ -141,7 +141,9 @@ def config_for(lab: Any, section: Mapping[str, Any] | None = None) -> LBConfig:
     service = str(section.get("service") or "")
     if not service:
         raise ValueError("loadBalancer.service: which service does it front? (ns/name)")
-    backends = [Backend(name, str(lab.node_ip(name))) for name in _node_names(lab)]
+    dual = bool(getattr(lab, "dual_stack", False))
+    backends = [Backend(name, str(lab.node_ip(name)), str(lab.node_ip(name, 6)) if dual else "")
+                for name in _node_names(lab)]
     return resolve(
         section,
         node_port=int(lab.node_port(service) or 0),
@@ -149,6 +151,8 @@ def config_for(lab: Any, section: Mapping[str, Any] | None = None) -> LBConfig:
         backends=backends,
         status_path=str(Path(lab.run_dir) / STATUS_NAME),
         masquerade_from=tuple(getattr(lab, "pod_networks", (POD_NETWORK,))),
+        listen_ip6=str(lab.lb_front_ip(6)) if dual else "",
+        masquerade_from6=tuple(getattr(lab, "pod_networks6", ())) if dual else (),
     )
 
 
@@ -226,24 +230,30 @@ def read_status(run_dir: Path | str) -> dict[str, Any]:
         return {}
 
 
-def status(run_dir: Path | str) -> list[dict[str, Any]]:
+def status(run_dir: Path | str, family: int = 4) -> list[dict[str, Any]]:
     """Per node: name, ip, healthy, state, result ("HTTP 503", "timeout"...), since.
 
-    Empty when no LB runs for this run directory.
+    *family* 6: the IPv6 front's probes of the nodes' IPv6 addresses. Empty
+    when no LB runs for this run directory (or it has no IPv6 front).
     """
     doc = read_status(run_dir)
     if not doc.get("running"):
         return []
+    if family == 6:
+        doc = doc.get("ipv6") or {}
     return list(doc.get("nodes", []))
 
 
-def connection_counts(lab: Any) -> dict[str, int]:
+def connection_counts(lab: Any, family: int = 4) -> dict[str, int]:
     """How many connections the passthrough LB sent to each node (nft counters).
 
     Read inside the LB namespace through ``lab.run``; tests and demos diff it
-    around a request to learn which node the LB chose for it.
+    around a request to learn which node the LB chose for it. *family* 6:
+    the IPv6 front's (``ip6 kpx_lb``).
     """
-    proc = lab.run("lb", ["nft", "-j", "list", "counters", "table", "ip", nft.NFT_TABLE])
+    table_family = "ip6" if family == 6 else "ip"
+    proc = lab.run("lb", ["nft", "-j", "list", "counters", "table", table_family,
+                          nft.NFT_TABLE])
     if proc.returncode != 0:
         return {}
     out = proc.stdout if isinstance(proc.stdout, str) else proc.stdout.decode()

@@ -5,6 +5,13 @@ serving set and its dataplane (the nft table in passthrough mode, an asyncio
 TCP relay with an optional PROXY header in proxy mode), the status file
 ``lb-status.json``, and reloading ``lb.json`` on SIGHUP.
 
+A dual-stack lab's LB (``listen_ip6`` set) is two load balancers in one
+process: the IPv4 one owns the IPv6 one (``LoadBalancer.v6``, built from
+``LBConfig.for_ipv6``), which probes the nodes' IPv6 addresses on the same
+ports, keeps its own verdicts and serving set, and forwards its own front
+(the ``ip6 kpx_lb`` table, or a second relay). One status file holds both:
+the IPv6 side under ``"ipv6"``; ``ready`` waits for both.
+
 Never: pick its namespace (it runs where it is started: the LB namespace,
 through ``ip netns exec``, or a test's loopback) or read anything of the lab
 but its own config: the lab side (``lab.lb.control``) starts it, tells it
@@ -75,8 +82,11 @@ class NodeStatus:
 class LoadBalancer:
     """The running LB: probe tasks, the serving set, and one of the two dataplanes."""
 
-    def __init__(self, cfg: LBConfig, carry: Mapping[str, NodeStatus] | None = None) -> None:
-        """*carry*: the previous incarnation's node states (a SIGHUP reload).
+    def __init__(self, cfg: LBConfig, carry: Mapping[str, NodeStatus] | None = None,
+                 carry6: Mapping[str, NodeStatus] | None = None,
+                 parent: LoadBalancer | None = None) -> None:
+        """*carry*: the previous incarnation's node states (a SIGHUP reload);
+        *carry6* its IPv6 side's; *parent*: the IPv4 LB that owns this IPv6 one.
 
         A node keeps its verdict across a reload if its address and the probe
         are unchanged, so reconfiguring never re-opens the fail-open window
@@ -97,6 +107,9 @@ class LoadBalancer:
         self._nft_lock = asyncio.Lock()
         self.error: str | None = None
         self.started = now_iso()
+        self.parent = parent
+        cfg6 = cfg.for_ipv6()
+        self.v6 = LoadBalancer(cfg6, carry6, parent=self) if cfg6 is not None else None
 
     @property
     def front_address(self) -> tuple[str, int]:
@@ -110,7 +123,9 @@ class LoadBalancer:
 
     def status_doc(self) -> dict[str, Any]:
         cfg = self.cfg
-        return {
+        host = f"[{cfg.listen_ip}]" if cfg.family == 6 else cfg.listen_ip
+        front = f"{host}:{cfg.port}"
+        doc = {
             "pid": os.getpid(),
             "running": True,
             "started": self.started,
@@ -118,7 +133,7 @@ class LoadBalancer:
             "service": cfg.service,
             "mode": cfg.mode,
             "proxyProtocol": cfg.proxy_protocol,
-            "front": f"{cfg.listen_ip}:{cfg.port}",
+            "front": front,
             "nodePort": cfg.node_port,
             "probe": cfg.probe.describe(),
             "ready": all(n.health.state != "initial" for n in self.nodes.values()),
@@ -127,9 +142,22 @@ class LoadBalancer:
             "error": self.error,
             "nodes": [n.as_dict() for n in self.nodes.values()],
         }
+        if self.v6 is not None:
+            six = self.v6.status_doc()
+            doc["ipv6"] = {k: six[k] for k in ("front", "ready", "serving", "failOpen", "error",
+                                               "nodes")}
+            doc["ready"] = doc["ready"] and six["ready"]
+            doc["error"] = doc["error"] or six["error"]
+        return doc
 
     def write_status(self, running: bool = True) -> None:
-        """Atomically replace the status file: a reader never sees half a JSON."""
+        """Atomically replace the status file: a reader never sees half a JSON.
+
+        The IPv6 side has no file of its own: its owner writes both families.
+        """
+        if self.parent is not None:
+            self.parent.write_status(running)
+            return
         doc = self.status_doc()
         doc["running"] = running
         write_atomic(self.cfg.status_path, json.dumps(doc, indent=2) + "\n")
@@ -250,14 +278,15 @@ class LoadBalancer:
         ]
         reload = reload or asyncio.Event()
         stoppers = {asyncio.create_task(stop.wait()), asyncio.create_task(reload.wait())}
+        side = [asyncio.create_task(self.v6.run(stop, reload), name="ipv6")] if self.v6 else []
         try:
             while not stop.is_set() and not reload.is_set():
                 waiter = asyncio.create_task(changed.wait())
                 await asyncio.wait(
-                    {waiter, *stoppers, *self._tasks}, return_when=asyncio.FIRST_COMPLETED
+                    {waiter, *stoppers, *self._tasks, *side}, return_when=asyncio.FIRST_COMPLETED
                 )
                 waiter.cancel()
-                for t in self._tasks:
+                for t in [*self._tasks, *side]:
                     if t.done() and not t.cancelled() and t.exception() is not None:
                         raise t.exception()  # type: ignore[misc]
                 if changed.is_set():
@@ -278,6 +307,9 @@ class LoadBalancer:
         finally:
             for t in stoppers:
                 t.cancel()
+            if side and not side[0].done():
+                side[0].cancel()
+            await asyncio.gather(*side, return_exceptions=True)
             await self.close(final=stop.is_set() or not reload.is_set())
 
     async def close(self, final: bool = True) -> None:
@@ -293,9 +325,10 @@ class LoadBalancer:
             t.cancel()
         if self.cfg.mode == "passthrough":
             with contextlib.suppress(RuntimeError, OSError):
-                await nft.run(nft.delete_table())
-        with contextlib.suppress(OSError):
-            self.write_status(running=False)
+                await nft.run(nft.delete_table(self.cfg.family))
+        if self.parent is None:
+            with contextlib.suppress(OSError):
+                self.write_status(running=False)
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -337,8 +370,9 @@ async def serve(config_path: Path) -> int:
     loop.add_signal_handler(signal.SIGHUP, reload.set)
     cfg = LBConfig.from_json(config_path.read_text())
     carry: dict[str, NodeStatus] | None = None
+    carry6: dict[str, NodeStatus] | None = None
     while True:
-        lb = LoadBalancer(cfg, carry)
+        lb = LoadBalancer(cfg, carry, carry6)
         await lb.run(stop, reload)
         if stop.is_set():
             break
@@ -353,6 +387,7 @@ async def serve(config_path: Path) -> int:
         same_probe = new.probe == cfg.probe
         log.info("reload: %s", "config unchanged" if new == cfg else "new config")
         carry, cfg = (lb.nodes if same_probe else None), new
+        carry6 = lb.v6.nodes if same_probe and lb.v6 is not None else None
     log.info("stopped")
     return 0
 

@@ -1,8 +1,13 @@
-"""The passthrough load balancer's nftables table ``ip kpx_lb``.
+"""The passthrough load balancer's nftables tables ``ip kpx_lb`` and ``ip6 kpx_lb``.
 
 Owns: the ruleset text (the round-robin DNAT of the front over the serving
 set and the per-node connection counters), swapping the DNAT rule in one
 transaction, running ``nft -f -``, and reading the counters back.
+
+One table per family, each from its own config (``LBConfig.family``; the
+IPv6 one is ``LBConfig.for_ipv6()``): ``ip kpx_lb`` for the IPv4 front,
+``ip6 kpx_lb`` for the IPv6 front of a dual-stack lab. Same rules, IPv6
+spelling (``ip6 daddr``, ``dnat ip6 to``, ``ct original ip6 daddr``).
 
 Never: run ``nft`` in a namespace of its choosing: ``run`` inherits the
 caller's, which is the LB namespace for the daemon; the lab reads counters
@@ -27,12 +32,18 @@ def counter_name(node: str) -> str:
     return "n_" + re.sub(r"[^A-Za-z0-9_]", "_", node)
 
 
+def _fam(cfg: LBConfig) -> str:
+    """The nft family (and address match keyword) of *cfg*'s front: ``ip`` or ``ip6``."""
+    return "ip6" if cfg.family == 6 else "ip"
+
+
 def nft_dnat_rule(cfg: LBConfig, targets: Sequence[Backend]) -> str:
     """The one passthrough rule: round-robin DNAT of the front over ``targets``."""
     elements = ", ".join(f"{i} : {b.ip} . {cfg.node_port}" for i, b in enumerate(targets))
+    f = _fam(cfg)
     return (
-        f"add rule ip {NFT_TABLE} prerouting ip daddr {cfg.listen_ip} tcp dport {cfg.port} "
-        f"dnat ip to numgen inc mod {len(targets)} map {{ {elements} }}"
+        f"add rule {f} {NFT_TABLE} prerouting {f} daddr {cfg.listen_ip} tcp dport {cfg.port} "
+        f"dnat {f} to numgen inc mod {len(targets)} map {{ {elements} }}"
     )
 
 
@@ -41,7 +52,7 @@ def nft_front_match(cfg: LBConfig) -> str:
 
     ``proto-dst`` needs a layer-4 context, so it goes after a ``tcp`` match.
     """
-    return f"ct original ip daddr {cfg.listen_ip} ct original proto-dst {cfg.port}"
+    return f"ct original {_fam(cfg)} daddr {cfg.listen_ip} ct original proto-dst {cfg.port}"
 
 
 def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
@@ -61,19 +72,20 @@ def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
     Clients in ``cfg.masquerade_from`` (pods) are SNATed to the LB after
     being counted, so the node's reply comes back through it.
     """
+    f = _fam(cfg)
     counters = "\n".join(f"  counter {counter_name(b.name)} {{ }}" for b in cfg.backends)
     counted = "\n".join(
-        f"    ip daddr {b.ip} tcp dport {cfg.node_port} {nft_front_match(cfg)} "
+        f"    {f} daddr {b.ip} tcp dport {cfg.node_port} {nft_front_match(cfg)} "
         f"counter name \"{counter_name(b.name)}\""
         for b in cfg.backends
     )
     masquerade = "".join(
-        f"    ip saddr {cidr} meta l4proto tcp {nft_front_match(cfg)} masquerade\n"
+        f"    {f} saddr {cidr} meta l4proto tcp {nft_front_match(cfg)} masquerade\n"
         for cidr in cfg.masquerade_from)
     return (
-        f"table ip {NFT_TABLE}\n"
-        f"delete table ip {NFT_TABLE}\n"
-        f"table ip {NFT_TABLE} {{\n"
+        f"table {f} {NFT_TABLE}\n"
+        f"delete table {f} {NFT_TABLE}\n"
+        f"table {f} {NFT_TABLE} {{\n"
         f"{counters}\n"
         "  chain prerouting {\n"
         "    type nat hook prerouting priority dstnat; policy accept;\n"
@@ -89,7 +101,7 @@ def nft_ruleset(cfg: LBConfig, targets: Sequence[Backend]) -> str:
 
 def nft_update(cfg: LBConfig, targets: Sequence[Backend]) -> str:
     """Swap the DNAT rule for a new serving set: flush + add, one transaction."""
-    return f"flush chain ip {NFT_TABLE} prerouting\n{nft_dnat_rule(cfg, targets)}\n"
+    return f"flush chain {_fam(cfg)} {NFT_TABLE} prerouting\n{nft_dnat_rule(cfg, targets)}\n"
 
 
 async def run(script: str) -> None:
@@ -103,9 +115,10 @@ async def run(script: str) -> None:
         raise RuntimeError(f"nft failed ({proc.returncode}): {err.decode().strip()}")
 
 
-def delete_table() -> str:
-    """The script that removes the table, and succeeds whether or not it exists."""
-    return f"table ip {NFT_TABLE}\ndelete table ip {NFT_TABLE}\n"
+def delete_table(family: int = 4) -> str:
+    """The script that removes *family*'s table, and succeeds whether or not it exists."""
+    f = "ip6" if family == 6 else "ip"
+    return f"table {f} {NFT_TABLE}\ndelete table {f} {NFT_TABLE}\n"
 
 
 def counters(listing: str, nodes: Sequence[str]) -> dict[str, int]:

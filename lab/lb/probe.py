@@ -21,8 +21,9 @@ async def _probe_body(probe: Probe, ip: str) -> tuple[bool, str]:
     try:
         if probe.type == "tcp":
             return True, "connected"
+        host = f"[{ip}]" if ":" in ip else ip
         writer.write(
-            f"GET {probe.path} HTTP/1.1\r\nHost: {ip}:{probe.port}\r\n"
+            f"GET {probe.path} HTTP/1.1\r\nHost: {host}:{probe.port}\r\n"
             "User-Agent: kpx-lab-lb/1\r\nConnection: close\r\n\r\n".encode("ascii")
         )
         await writer.drain()

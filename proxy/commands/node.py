@@ -29,6 +29,11 @@ bound again, a blip health checkers tolerate. ``--workers N`` keeps the
 older way: the supervisor's workers close their listeners at SIGTERM and
 the new instance binds its own, a short refusal window. The return path stays
 until the last kpx of the namespace exits.
+
+IPv6: as kube-proxy's MetaProxier, a second dataplane serves the IPv6 family
+(``Dataplane(family=6)``), fed by the same sync (``Proxier(dataplane6=)``):
+it listens once the Node has an IPv6 address, and a handover passes its
+sockets on with the IPv4 ones. Not made on a kernel without IPv6.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
 from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateFileSource
 from proxy.userspace.dataplane import UDP_FLOW_LIMIT, Dataplane
 from proxy.userspace.forwarder import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
-from proxy.userspace.transparent import ReturnPathGuard, TransparentRouting
+from proxy.userspace.transparent import ReturnPathGuard, RoutingConfig, TransparentRouting
 from proxy.userspace.vips import LocalVIPs, VIPGuard
 
 log = logging.getLogger(__name__)
@@ -321,7 +326,8 @@ async def serve(args: argparse.Namespace) -> int:
     # ClusterIPs, externalIPs and VIP-mode LB IPs become local addresses of
     # the node (proxy.userspace.vips), as IPVS mode does with kube-ipvs0.
     local_vips = LocalVIPs()
-    dataplane = Dataplane(
+    inherited = dict(claim.take_listeners()) if claim is not None else {}
+    common: dict[str, Any] = dict(
         loop=loop,
         transparent=not args.no_transparent,
         connect_timeout=args.connect_timeout,
@@ -334,19 +340,31 @@ async def serve(args: argparse.Namespace) -> int:
         udp_timeout=args.conntrack_udp_timeout,
         udp_timeout_stream=args.conntrack_udp_timeout_stream,
         udp_flow_limit=args.udp_flow_limit,
-        inherited=claim.take_listeners() if claim is not None else None,
+    )
+    dataplane = Dataplane(
+        **common,
+        inherited={k: s for k, s in inherited.items() if ":" not in k[0]},
         local_vips=local_vips,
         vip_port=getattr(args, "vip_port", 0),
         health=hub.health,
     )
+    if getattr(args, "no_transparent6", False):
+        # A --workers supervisor could not install the IPv6 return path: SNAT.
+        common = {**common, "transparent": False}
+    dataplane6 = Dataplane(
+        **common, inherited={k: s for k, s in inherited.items() if ":" in k[0]}, family=6,
+    ) if ipv6_available() else None
+    planes = [dp for dp in (dataplane, dataplane6) if dp is not None]
     sidecar = None
     if not args.no_healthz and worker_index == 0:
         sidecar = Sidecar.from_flags(hub.health, args)
     Proxier(
         sync_config(args),
         dataplane=dataplane,
+        dataplane6=dataplane6,
         services=sidecar.services if sidecar is not None else None,
         health=hub.health,
+        healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
     ).attach(hub)
 
     watcher = await start_source(source, args.sync_period)
@@ -355,17 +373,19 @@ async def serve(args: argparse.Namespace) -> int:
     # whole, as kube-proxy re-syncs its rules every sync period.
     if ownership is not None:
         ownership.attach(loop)  # a successor attaches once it owns the name
-    guard: asyncio.Task[None] | None = None
     vip_guard: asyncio.Task[None] | None = None
     if worker_index == 0:
         vip_guard = asyncio.create_task(
             VIPGuard(local_vips, hub.health, args.sync_period).run(), name="vip-guard"
         )
-    if dataplane.transparent_active and worker_index == 0:
-        guard = asyncio.create_task(
-            ReturnPathGuard(TransparentRouting(), hub.health, args.sync_period).run(),
-            name="return-path-guard",
-        )
+    guards: list[asyncio.Task[None]] = []
+    for dp in planes:
+        if dp.transparent_active and worker_index == 0:
+            routing = TransparentRouting(RoutingConfig(family=dp.family))
+            guards.append(asyncio.create_task(
+                ReturnPathGuard(routing, hub.health, args.sync_period).run(),
+                name=f"return-path-guard-ipv{dp.family}",
+            ))
 
     sidecar_started = False
 
@@ -378,7 +398,7 @@ async def serve(args: argparse.Namespace) -> int:
     async def take_over() -> None:
         """A successor: say "serving" once synced, then own the name and the health ports."""
         assert ownership is not None
-        await ownership.take_over(dataplane.synced.wait())
+        await ownership.take_over(synced(planes))
         ownership.attach(loop)
         await start_sidecar()  # the old one has closed its health ports by now
 
@@ -393,7 +413,7 @@ async def serve(args: argparse.Namespace) -> int:
     if takeover is not None and not takeover.done():
         takeover.cancel()
         await asyncio.gather(takeover, return_exceptions=True)
-    if guard is not None:
+    for guard in guards:
         guard.cancel()  # only the owner repairs; a successor takes that over
     if vip_guard is not None:
         vip_guard.cancel()
@@ -411,7 +431,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("stopping: accepting for up to %.1fs more while a new kpx node may take "
                  "the listeners over", window)
         waiting = asyncio.create_task(
-            offer.wait(dataplane.listening_sockets, window, args.shutdown_grace))
+            offer.wait(lambda: [kv for dp in planes for kv in dp.listening_sockets()], window,
+                       args.shutdown_grace))
         cut = asyncio.create_task(interrupted.wait())
         await asyncio.wait({waiting, cut}, return_when=asyncio.FIRST_COMPLETED)
         cut.cancel()
@@ -421,7 +442,8 @@ async def serve(args: argparse.Namespace) -> int:
         if not isinstance(successor, Successor):
             successor = None
     log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
-    await dataplane.stop_accepting()
+    for dp in planes:
+        await dp.stop_accepting()
     if sidecar_started and sidecar is not None:
         await sidecar.stop()
     if successor is not None:
@@ -434,14 +456,31 @@ async def serve(args: argparse.Namespace) -> int:
         # while this one drains on the return path they share.
         ownership.release()
         log.info("released this network namespace: a new kpx node may take over")
-    await dataplane.drain(args.shutdown_grace)
-    dataplane.close()  # removes the return path only if no other kpx is present
+    # Both families drain at once, within the one grace period.
+    await asyncio.gather(*(dp.drain(args.shutdown_grace) for dp in planes))
+    for dp in planes:
+        dp.close()  # removes the return path only if no other kpx is present
     if offer is not None:
         offer.close()
     watcher.cancel()
     stopper.cancel()
     log.info("kpx node %s stopped", args.hostname_override)
     return 0
+
+
+def ipv6_available() -> bool:
+    """Whether this kernel has IPv6 at all: else no IPv6 dataplane is made."""
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
+
+
+async def synced(planes: list[Dataplane]) -> None:
+    """Until every family's dataplane has reconciled its listeners once."""
+    for dp in planes:
+        await dp.synced.wait()
 
 
 def raise_nofile_limit() -> None:

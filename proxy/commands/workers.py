@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 
 from proxy.lifecycle.ownership import Ownership
-from proxy.userspace.transparent import TransparentRouting
+from proxy.userspace.transparent import RoutingConfig, TransparentRouting
 from proxy.userspace.vips import LISTEN_ADDRESS, LocalVIPs
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,19 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
     """Run ``args.workers`` forked workers until SIGTERM/SIGINT; exit 0 when all stopped."""
     ownership: Ownership | None = getattr(args, "ownership", None)
     routing: TransparentRouting | None = None
+    routing6: TransparentRouting | None = None
     if not args.no_transparent:
         routing = TransparentRouting()
         if not routing.install():
             args.no_transparent = True
             routing = None
+        else:
+            # The IPv6 family's rule and route, for the workers' IPv6 dataplanes;
+            # without them those SNAT (each worker checks IPV6_TRANSPARENT only).
+            routing6 = TransparentRouting(RoutingConfig(family=6))
+            if not routing6.install():
+                args.no_transparent6 = True
+                routing6 = None
     local_vips = LocalVIPs()
     try:
         local_vips.install()
@@ -131,6 +139,8 @@ def supervise(args: argparse.Namespace, run_worker: Callable[[argparse.Namespace
             local_vips.remove_all()
         except (OSError, RuntimeError) as exc:
             log.error("service VIPs: cannot remove them: %s", exc)
+        if routing6 is not None:
+            routing6.remove()
         if routing is not None:
             routing.remove()
     return 0

@@ -32,6 +32,16 @@ Per (address, nodePort), from the plan:
   sources are always local;
 - otherwise a plain listener.
 
+One dataplane serves one IP family (``family``), as kube-proxy runs one
+proxier per family (its MetaProxier): a dual-stack node runs an IPv4 one
+and an IPv6 one, each applying its family's ``SyncResult``. Two instances
+and not one that holds both, because nothing but the return path is shared:
+each family has its own plans under the same nodePort keys, its own
+listeners (``0.0.0.0`` and ``::``, ``IPV6_V6ONLY``), SYN filter program,
+balancers (kube-proxy's affinity is per family too) and forwarder; and the
+return path's shared part, the ``inet`` nft table, is written
+idempotently by either (``proxy.userspace.transparent``).
+
 Addresses (``SyncResult.listen_hosts``, ``proxy.core.addresses``): without
 ``--nodeport-addresses``, one wildcard ``0.0.0.0`` socket per NodePort, which
 is iptables mode's ``--dst-type LOCAL``: every local address, 127.0.0.1
@@ -196,8 +206,13 @@ class Dataplane:
         udp_timeout_stream: float = UDP_TIMEOUT_STREAM,
         udp_flow_limit: int = UDP_FLOW_LIMIT,
         health: ProxyHealth | None = None,
+        family: int = 4,
     ) -> None:
+        if family not in (4, 6):
+            raise ValueError(f"family {family}: must be 4 or 6")
         self.loop = loop
+        self.family = family
+        """The IP family this dataplane serves (a sync of another family is refused)."""
         self.local_vips = local_vips
         self._health = health if local_vips is not None else None
         if self._health is not None:
@@ -220,12 +235,13 @@ class Dataplane:
         self._routing: TransparentRouting | None = None
         transparent_ok = False
         if transparent and install_routing:
-            self._routing = TransparentRouting(routing)
+            self._routing = TransparentRouting(
+                dataclasses.replace(routing or RoutingConfig(), family=family))
             transparent_ok = self._routing.install()
         elif transparent:
             # A supervisor installed the namespace's return path for all its
             # workers; this process only needs the socket option.
-            transparent_ok = transparent_capable() is None
+            transparent_ok = transparent_capable(family) is None
         self.accept_set = AcceptSet(self.loop)
         """Every listener's socket, polled as one (listener.py says why)."""
         self.forwarder = Forwarder(
@@ -236,13 +252,16 @@ class Dataplane:
             else max_connections,
             tcp_timeout_established=tcp_timeout_established,
             tcp_timeout_close_wait=tcp_timeout_close_wait,
+            family=family,
         )
         self.forwarder.on_room = self._resume_blocked
         self.forwarder.cluster_cidrs = tuple(
             ipaddress.ip_network(c, strict=False) for c in cluster_cidrs or ()
         )
-        self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs)
-        """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``)."""
+        self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs
+                             if c.version == family)
+        """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``), of
+        this family only, as its nft sets are (a dual-stack cluster gives both)."""
         self.udp = UdpForwarder(loop, self.forwarder,
                                 FlowTable(udp_flow_limit, udp_timeout, udp_timeout_stream))
         """UDP service ports: flows, their sockets, replies (``proxy.userspace.udp``)."""
@@ -262,7 +281,8 @@ class Dataplane:
         self._reconcile_handle: asyncio.Handle | None = None
         self._reconcile_started = 0.0
         self._node_ips: tuple[str, ...] = ()
-        self._program: list[synfilter.Instruction] | None = synfilter.syn_drop_program(())
+        self._program: list[synfilter.Instruction] | None = synfilter.syn_drop_program(
+            (), family=family)
         self._desired: dict[ListenerKey, Wanted] = {}
         self._listeners: dict[ListenerKey, Listener] = {}
         self._inherited: dict[ListenerKey, socket.socket] = dict(inherited or {})
@@ -390,6 +410,9 @@ class Dataplane:
         """Put ``sync`` in force: swap the decision table, reconcile listeners (in slices)."""
         if self._closed:
             return
+        if sync.family != self.family:
+            raise ValueError(f"the IPv{self.family} dataplane was handed the IPv{sync.family}"
+                             f" sync of generation {sync.generation}")
         self.generation = sync.generation
         prepared = self._prepared.take(sync)
         desired, table, vips = prepared if prepared is not None else (None, None, None)
@@ -401,7 +424,7 @@ class Dataplane:
             self.forwarder.local_addresses = frozenset(node_ips)
             try:
                 self._program = synfilter.syn_drop_program(
-                    node_ips, self.forwarder.cluster_cidrs
+                    node_ips, self.forwarder.cluster_cidrs, self.family
                 )
             except ValueError as exc:
                 log.error("cannot build the SYN filter for %s: %s", ", ".join(node_ips), exc)
@@ -609,7 +632,8 @@ class Dataplane:
                 if self.workers > 1:
                     assert front.sock is not None
                     synfilter.attach_reuseport(
-                        front.sock, synfilter.reuseport_steering_program(self.workers))
+                        front.sock, synfilter.reuseport_steering_program(self.workers,
+                                                                         self.family))
             except OSError as exc:
                 front.close()
                 why = exc.strerror or str(exc)

@@ -489,7 +489,7 @@ class Relay:
             snat = attempt.snat or not fwd.transparent
             usock = None
             try:
-                usock = upstream_socket(None if snat else self.client_addr[0])
+                usock = upstream_socket(None if snat else self.client_addr[0], fwd.family)
                 err = usock.connect_ex(addr)
                 if err in _IN_PROGRESS:
                     up = _Side(self, usock)
@@ -761,10 +761,13 @@ class Forwarder:
         max_connections: int = 0,
         tcp_timeout_established: float = TCP_TIMEOUT_ESTABLISHED,
         tcp_timeout_close_wait: float = TCP_TIMEOUT_CLOSE_WAIT,
+        family: int = 4,
     ) -> None:
         if tcp_timeout_established < 0 or tcp_timeout_close_wait < 0:
             raise ValueError("conntrack TCP timeouts must be >= 0 (0 turns one off)")
         self.loop = loop
+        self.family = family
+        """The IP family of every socket here (4 or 6): one Forwarder per family's dataplane."""
         self.connect_timeout = connect_timeout
         self.tcp_timeout_established = tcp_timeout_established
         """Idle seconds before an established connection is reset; 0: never."""

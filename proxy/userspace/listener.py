@@ -38,6 +38,16 @@ family/type: ``socket.accept()`` converts both to enums per connection.
 The listening socket carries TCP_NODELAY: accepted sockets inherit it,
 which saves the relay one setsockopt per connection.
 
+IPv6: an address with a colon makes an ``AF_INET6`` socket with
+``IPV6_V6ONLY`` (``::`` is every local IPv6 address, never IPv4's too: the
+IPv4 dataplane has its own ``0.0.0.0`` socket with its own plans). The
+IPv6 wildcard never serves ``::1``, as iptables mode has no IPv6 localhost
+NodePorts: a connection from ``::1`` whose local address is ``::1`` is
+reset at accept, which is what the client of a port nobody serves gets.
+One ``getsockname`` for those only: every other connection's source says
+it cannot be one (``::1`` is reached from ``::1``, unless a program binds
+another local source on purpose, and then it is served).
+
 A dataplane's listeners share one ``AcceptSet``: a private epoll set the
 event loop watches as a single reader. ``loop.add_reader`` per listener
 makes a uvloop handle and poll object for each, several times what an
@@ -48,10 +58,12 @@ once (same section of docs/PERFORMANCE.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import select
 import socket
+import struct
 from collections.abc import Callable
 
 from proxy.userspace import synfilter
@@ -66,7 +78,14 @@ BACKOFF_MAX = 1.0
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 OnAccept = Callable[[socket.socket, tuple[str, int], object], None]
-"""``on_accept(sock, (client_ip, client_port), node_port)``."""
+"""``on_accept(sock, (client_ip, client_port, ...), node_port)``: IPv6 adds flow info and scope."""
+
+IPV6_LOOPBACK = "::1"
+
+
+def family_of(address: str) -> socket.AddressFamily:
+    """The socket family an address text is of: IPv6 texts have a colon."""
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
 
 
 class AcceptSet:
@@ -167,6 +186,10 @@ class Listener:
         self._backoff = 0.0
         self._resume_handle: asyncio.TimerHandle | None = None
         self._errors_in_episode = 0
+        self.family = family_of(address)
+        self._refuse_loopback = self.family == socket.AF_INET6 and not steered and (
+            address == "::")
+        """The IPv6 wildcard: ``::1`` is never served (the module docstring)."""
         self.blocked = False
         """Paused because the dataplane is at its connection limit."""
 
@@ -206,8 +229,10 @@ class Listener:
             self._adopt(adopt, program)
             return
         # SOCK_NONBLOCK: non-blocking from birth, one syscall fewer per listener.
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        s = socket.socket(self.family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
+            if self.family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if self._reuse_port:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -227,9 +252,9 @@ class Listener:
 
     def _adopt(self, s: socket.socket, program: list[synfilter.Instruction] | None) -> None:
         """Take over ``s``, an inherited listening socket for this address and port."""
-        if (s.family != socket.AF_INET or s.type != socket.SOCK_STREAM
+        if (s.family != self.family or s.type != socket.SOCK_STREAM
                 or not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                or s.getsockname() != (self.address, self.port)):
+                or s.getsockname()[:2] != (self.address, self.port)):
             raise OSError(errno.EINVAL, f"inherited socket is not listening on "
                                         f"{self.address}:{self.port}")
         s.setblocking(False)
@@ -260,7 +285,8 @@ class Listener:
         if self._sock is None or workers == self._steer:
             return
         if workers > 1:
-            synfilter.attach_reuseport(self._sock, synfilter.reuseport_steering_program(workers))
+            synfilter.attach_reuseport(self._sock, synfilter.reuseport_steering_program(
+                workers, 6 if self.family == socket.AF_INET6 else 4))
         else:
             synfilter.detach_reuseport(self._sock)
         self._steer = workers
@@ -345,7 +371,10 @@ class Listener:
             except OSError as exc:
                 self._accept_failed(exc)
                 return
-            conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0, fd)
+            conn = socket.socket(self.family, socket.SOCK_STREAM, 0, fd)
+            if self._refuse_loopback and addr[0] == IPV6_LOOPBACK and _to_loopback(conn):
+                _reset(conn)
+                continue
             self._on_accept(conn, addr, conn.getsockname() if self.steered else self.port)
         if self._backoff:
             if self._errors_in_episode > 1:
@@ -380,3 +409,20 @@ class Listener:
         self._resume_handle = None
         if not self.blocked:
             self._start_reading()
+
+
+def _to_loopback(conn: socket.socket) -> bool:
+    try:
+        return bool(conn.getsockname()[0] == IPV6_LOOPBACK)
+    except OSError:
+        return True  # gone already: resetting it costs nothing
+
+
+_LINGER_RST = struct.pack("ii", 1, 0)
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with an RST: a port nobody serves answers ``::1`` so."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+    conn.close()

@@ -10,6 +10,12 @@ socket options of such a socket.
   ``ip route add local 0.0.0.0/0 dev lo table <table>``: marked packets are
   delivered locally instead of being forwarded to the (non-local) client IP.
 
+IPv6 has the same: ``ip -6 rule`` with the same mark, preference and table
+number (the families' rule lists and tables are separate) and ``local ::/0
+dev lo``; the ``inet`` nft table already marks both families. The IPv6
+dataplane installs its family's (``RoutingConfig.family``); the table is
+shared, so whichever family's part is missing, ``ensure`` rewrites it.
+
 This is the kernel's TPROXY recipe (Documentation/networking/tproxy.rst,
 kpx decision 4). It only works toward endpoints on this node, whose replies
 route back through it; that is why cross-node hops SNAT.
@@ -59,6 +65,7 @@ T = TypeVar("T")
 
 IP_TRANSPARENT = 19
 IP_BIND_ADDRESS_NO_PORT = 24
+IPV6_TRANSPARENT = 75
 
 DEFAULT_MARK = 0x2000
 """One bit, OR-ed into the mark and matched under a mask, so kpx shares the mark
@@ -80,6 +87,16 @@ class RoutingConfig:
     table: int = DEFAULT_TABLE
     rule_pref: int = DEFAULT_RULE_PREF
     nft_table: str = NFT_TABLE
+    family: int = 4
+    """Whose rule and route: ``ip -4`` or ``ip -6`` (the nft table is ``inet``: both)."""
+
+    @property
+    def ip_flag(self) -> str:
+        return f"-{self.family}"
+
+    @property
+    def everywhere(self) -> str:
+        return "0.0.0.0/0" if self.family == 4 else "::/0"
 
 
 def nft_ruleset(cfg: RoutingConfig) -> str:
@@ -162,11 +179,17 @@ def _checked(argv: list[str], stdin: str | None = None) -> Steps[None]:
         raise RuntimeError(f"{' '.join(argv)}: {res.stderr.strip() or f'exit {res.returncode}'}")
 
 
-def transparent_capable() -> OSError | None:
-    """None if this process may set IP_TRANSPARENT, else the error it got."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def transparent_capable(family: int = 4) -> OSError | None:
+    """None if this process may set IP_TRANSPARENT (IPV6_TRANSPARENT), else the error it got."""
     try:
-        s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+        s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError as exc:  # no IPv6 in this kernel
+        return exc
+    try:
+        if family == 4:
+            s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+        else:
+            s.setsockopt(socket.IPPROTO_IPV6, IPV6_TRANSPARENT, 1)
     except OSError as exc:
         return exc
     finally:
@@ -225,7 +248,7 @@ def _rules_matching(listing: str, cfg: RoutingConfig) -> int:
 
 def _route_ok(listing: str) -> bool:
     return any(
-        r.get("type") == "local" and r.get("dst") in ("default", "0.0.0.0/0")
+        r.get("type") == "local" and r.get("dst") in ("default", "0.0.0.0/0", "::/0")
         and r.get("dev") == "lo"
         for r in json.loads(listing or "[]")
     )
@@ -248,26 +271,31 @@ class TransparentRouting:
         self.active = False
         self._rule_copies = 0
 
+    @property
+    def _option(self) -> str:
+        return "IP_TRANSPARENT" if self.cfg.family == 4 else "IPV6_TRANSPARENT"
+
     def install(self) -> bool:
         try:
-            exc = transparent_capable()
+            exc = transparent_capable(self.cfg.family)
             if exc is not None:
-                raise RuntimeError(f"setsockopt(IP_TRANSPARENT): {exc}")
+                raise RuntimeError(f"setsockopt({self._option}): {exc}")
             for tool in ("nft", "ip"):
                 if shutil.which(tool) is None:
                     raise RuntimeError(f"{tool}: not found")
             added = self.ensure()
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
             log.warning(
-                "client IP preservation unavailable, every connection will be SNATed: %s", exc
+                "client IP preservation unavailable, every IPv%d connection will be SNATed: %s",
+                self.cfg.family, exc,
             )
             self._remove_if_alone()
             self.active = False
             return False
         self.active = True
         log.info(
-            "transparent return path %s: nft table inet %s, fwmark %#x/%#x -> table %d "
-            "(pref %d)", "installed" if added == list(PARTS) else
+            "IPv%d transparent return path %s: nft table inet %s, fwmark %#x/%#x -> table %d "
+            "(pref %d)", self.cfg.family, "installed" if added == list(PARTS) else
             f"in place (added: {', '.join(added) or 'nothing'})", self.cfg.nft_table,
             self.cfg.mark, self.cfg.mark, self.cfg.table, self.cfg.rule_pref,
         )
@@ -300,13 +328,15 @@ class TransparentRouting:
             raise RuntimeError(f"nft list table: {res.stderr.strip() or res.returncode}")
         if res.returncode != 0 or not _nft_table_ok(res.stdout, self.cfg):
             out.append(PART_NFT)
-        res = yield ["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)], None
+        res = yield ["ip", "-j", self.cfg.ip_flag, "rule", "show", "pref",
+                         str(self.cfg.rule_pref)], None
         if res.returncode != 0:
             raise RuntimeError(f"ip rule show: {res.stderr.strip() or res.returncode}")
         self._rule_copies = _rules_matching(res.stdout, self.cfg)
         if self._rule_copies == 0:
             out.append(PART_RULE)
-        res = yield ["ip", "-j", "-4", "route", "show", "table", str(self.cfg.table)], None
+        res = yield ["ip", "-j", self.cfg.ip_flag, "route", "show", "table",
+                     str(self.cfg.table)], None
         # An emptied table stops existing: "FIB table does not exist" is "missing".
         if res.returncode != 0 or not _route_ok(res.stdout):
             out.append(PART_ROUTE)
@@ -317,10 +347,10 @@ class TransparentRouting:
         if PART_NFT in missing:
             yield from _checked(["nft", "-f", "-"], nft_ruleset(self.cfg))
         if PART_RULE in missing:
-            yield from _checked(["ip", "-4", "rule", "add", *_rule_args(self.cfg)])
+            yield from _checked(["ip", self.cfg.ip_flag, "rule", "add", *_rule_args(self.cfg)])
         if PART_ROUTE in missing:
-            yield from _checked(["ip", "-4", "route", "replace", "local", "0.0.0.0/0", "dev",
-                                 "lo", "table", str(self.cfg.table)])
+            yield from _checked(["ip", self.cfg.ip_flag, "route", "replace", "local",
+                                 self.cfg.everywhere, "dev", "lo", "table", str(self.cfg.table)])
         if self._rule_copies > 1:
             yield from self._drop_duplicate_rules()
         still = (yield from self._missing_steps()) if missing else []
@@ -352,16 +382,18 @@ class TransparentRouting:
         Each ``ip rule del`` removes one copy, so at least one stays throughout.
         """
         for _ in range(16):
-            res = yield ["ip", "-j", "-4", "rule", "show", "pref", str(self.cfg.rule_pref)], None
+            res = yield ["ip", "-j", self.cfg.ip_flag, "rule", "show", "pref",
+                         str(self.cfg.rule_pref)], None
             if res.returncode != 0 or _rules_matching(res.stdout, self.cfg) <= 1:
                 return
-            yield ["ip", "-4", "rule", "del", *_rule_args(self.cfg)], None
+            yield ["ip", self.cfg.ip_flag, "rule", "del", *_rule_args(self.cfg)], None
 
     def _remove_rules(self) -> None:
         # Exact match on pref, mark and table: never delete someone else's rule.
         # Bounded: a crash loop could have left a few duplicates.
         for _ in range(16):
-            if _run(["ip", "-4", "rule", "del", *_rule_args(self.cfg)]).returncode != 0:
+            if _run(["ip", self.cfg.ip_flag, "rule", "del",
+                     *_rule_args(self.cfg)]).returncode != 0:
                 return
 
     def _cleanup(self) -> None:
@@ -374,7 +406,7 @@ class TransparentRouting:
                 _run(["nft", "delete", "table", "inet", self.cfg.nft_table])
             if shutil.which("ip") is not None:
                 self._remove_rules()
-                _run(["ip", "-4", "route", "flush", "table", str(self.cfg.table)])
+                _run(["ip", self.cfg.ip_flag, "route", "flush", "table", str(self.cfg.table)])
         except (OSError, subprocess.SubprocessError) as exc:
             log.debug("transparent routing cleanup: %s", exc)
 
@@ -400,6 +432,9 @@ class ReturnPathGuard:
         self.routing = routing
         self.health = health
         self.period = period
+        self.family: str | None = "IPv6" if routing.cfg.family == 6 else None
+        """The IPv6 return path's fault is IPv6's only (``ProxyHealth`` family faults):
+        its IPv4 traffic still flows; the IPv4 one stays unscoped, as before dual-stack."""
 
     async def check(self) -> list[str]:
         """One round: returns the parts that were missing and are now back."""
@@ -408,19 +443,20 @@ class ReturnPathGuard:
         except Exception as exc:  # any failure means: cannot vouch for the return path
             metrics.RETURN_PATH_REPAIR_FAILURES.inc()
             why = str(exc) or type(exc).__name__
-            if self.health.faults.get(self.FAULT) != why:
-                log.error("transparent return path broken and not restorable: %s; client-IP"
-                          " preserving connections fail, so health fails until it is back", why)
-            self.health.set_fault(self.FAULT, why)
+            if self.health.fault(self.FAULT, self.family) != why:
+                log.error("IPv%d transparent return path broken and not restorable: %s;"
+                          " client-IP preserving connections fail, so health fails until it"
+                          " is back", self.routing.cfg.family, why)
+            self.health.set_fault(self.FAULT, why, self.family)
             return []
         for part in restored:
             metrics.RETURN_PATH_REPAIRS.labels(part=part).inc()
         if restored:
             log.warning("transparent return path: %s was missing (removed outside kpx);"
                         " restored", ", ".join(restored))
-        if self.FAULT in self.health.faults:
+        if self.health.fault(self.FAULT, self.family) is not None:
             log.info("transparent return path restored; healthy again")
-            self.health.clear_fault(self.FAULT)
+            self.health.clear_fault(self.FAULT, self.family)
         return restored
 
     async def run(self) -> None:
@@ -429,20 +465,24 @@ class ReturnPathGuard:
             await self.check()
 
 
-def upstream_socket(client_ip: str | None) -> socket.socket:
-    """A non-blocking upstream socket; bound to ``client_ip`` when given.
+def upstream_socket(client_ip: str | None, family: int = 4) -> socket.socket:
+    """A non-blocking upstream socket of ``family``; bound to ``client_ip`` when given.
 
     ``IP_BIND_ADDRESS_NO_PORT`` defers the source port choice to connect(),
     so the port space is per 4-tuple and not per client IP: one busy client
     behind eTP=Local would otherwise exhaust ~28k ports, TIME_WAIT included.
     """
     # SOCK_NONBLOCK: non-blocking from birth, one syscall fewer than setblocking().
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+    s = socket.socket(socket.AF_INET if family == 4 else socket.AF_INET6,
+                      socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
     try:
         # A relay must not add Nagle delays to what it forwards.
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if client_ip is not None:
-            s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+            if family == 4:
+                s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+            else:
+                s.setsockopt(socket.IPPROTO_IPV6, IPV6_TRANSPARENT, 1)
             s.setsockopt(socket.SOL_IP, IP_BIND_ADDRESS_NO_PORT, 1)
             s.bind((client_ip, 0))
     except BaseException:

@@ -36,6 +36,11 @@ answers ICMP port unreachable (``ECONNREFUSED`` on the upstream socket)
 ends the flow at once. Idle flows expire after conntrack's UDP timeouts,
 and a full table evicts the flow idle the longest.
 
+IPv6: the same, on ``AF_INET6`` sockets (``IPV6_V6ONLY``) with the IPv6
+options (``IPV6_RECVORIGDSTADDR``, ``IPV6_PKTINFO``, ``IPV6_TRANSPARENT``);
+the IPv6 dataplane's sockets and flows are its own. A datagram to ``::1``
+is dropped: IPv6 has no localhost NodePorts (iptables mode's ``! -d ::1``).
+
 Never: block, allocate per datagram beyond the datagram itself, log per
 datagram (``Forwarder.warn`` rate-limits), or send a datagram to an endpoint
 a plan in force would not choose.
@@ -67,10 +72,16 @@ log = logging.getLogger(__name__)
 IP_PKTINFO = 8
 IP_RECVORIGDSTADDR = 20
 IP_ORIGDSTADDR = 20
+IPV6_PKTINFO = 50
+IPV6_RECVORIGDSTADDR = 74
+IPV6_ORIGDSTADDR = 74
+IPV6_TRANSPARENT = 75
+IPV6_LOOPBACK = "::1"
 DATAGRAM_MAX = 65535
 BATCH = 64
 """Datagrams read per socket per wake-up: fair to every other socket on the loop."""
-_CMSG_SPACE = socket.CMSG_SPACE(16)
+_CMSG_SPACE = socket.CMSG_SPACE(28)
+"""Room for a ``sockaddr_in6`` (IPv6's ``IPV6_ORIGDSTADDR``), which holds IPv4's too."""
 _DROP_ALL = [(0x06, 0, 0, 0)]
 """A classic BPF program of one instruction, ``ret #0``: every datagram dropped."""
 METRICS_FLUSH_INTERVAL = 1.0
@@ -82,15 +93,24 @@ def pktinfo(source: str) -> bytes:
 
     Cached: every reply needs one, and a node has few addresses.
     """
+    if ":" in source:  # struct in6_pktinfo: the address, then the interface (any)
+        return struct.pack("=16si", socket.inet_pton(socket.AF_INET6, source), 0)
     return struct.pack("=i4s4s", 0, socket.inet_aton(source), b"\0\0\0\0")
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def orig_dst(ancdata: list[tuple[int, int, bytes]]) -> tuple[str, int] | None:
-    """The address and port a datagram was sent to, from ``IP_ORIGDSTADDR``."""
+    """The address and port a datagram was sent to, from ``IP(V6)_ORIGDSTADDR``."""
     for level, kind, data in ancdata:
         if level == socket.SOL_IP and kind == IP_ORIGDSTADDR and len(data) >= 8:
             port = int.from_bytes(data[2:4], "big")
             return socket.inet_ntoa(data[4:8]), port
+        if level == socket.IPPROTO_IPV6 and kind == IPV6_ORIGDSTADDR and len(data) >= 24:
+            port = int.from_bytes(data[2:4], "big")
+            return socket.inet_ntop(socket.AF_INET6, data[8:24]), port
     return None
 
 
@@ -158,12 +178,17 @@ class UdpFront:
         self.sock: socket.socket | None = None
 
     def open(self, reuse_port: bool = False) -> None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+        six = ":" in self.host
+        s = socket.socket(_family(self.host), socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if reuse_port:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.setsockopt(socket.SOL_IP, IP_RECVORIGDSTADDR, 1)
+            if six:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.setsockopt(socket.IPPROTO_IPV6, IPV6_RECVORIGDSTADDR, 1)
+            else:
+                s.setsockopt(socket.SOL_IP, IP_RECVORIGDSTADDR, 1)
             s.bind((self.host, self.port))
         except BaseException:
             s.close()
@@ -194,6 +219,9 @@ class UdpFront:
                            self.label, self.host, self.port, exc)
                 return
             dst = orig_dst(anc) or (self.host, self.port)
+            if dst[0] == IPV6_LOOPBACK:  # never served, as TCP's (``listener``): dropped
+                owner.counts.rejected += 1
+                continue
             owner.on_datagram(self, data, addr, dst)
 
     def send_reply(self, data: bytes, client: tuple[str, int], source: str) -> None:
@@ -201,7 +229,10 @@ class UdpFront:
         s = self.sock
         if s is None:
             return
-        s.sendmsg([data], [(socket.SOL_IP, IP_PKTINFO, pktinfo(source))], 0, client)
+        if ":" in source:
+            s.sendmsg([data], [(socket.IPPROTO_IPV6, IPV6_PKTINFO, pktinfo(source))], 0, client)
+        else:
+            s.sendmsg([data], [(socket.SOL_IP, IP_PKTINFO, pktinfo(source))], 0, client)
 
 
 class UdpForwarder:
@@ -329,10 +360,15 @@ class UdpForwarder:
 
     @staticmethod
     def _upstream(client_ip: str | None, endpoint: tuple[str, int]) -> socket.socket:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+        six = ":" in endpoint[0]
+        s = socket.socket(socket.AF_INET6 if six else socket.AF_INET,
+                          socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         try:
             if client_ip is not None:
-                s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+                if six:
+                    s.setsockopt(socket.IPPROTO_IPV6, IPV6_TRANSPARENT, 1)
+                else:
+                    s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
                 s.bind((client_ip, 0))
             s.connect(endpoint)
         except BaseException:
@@ -378,11 +414,16 @@ class UdpForwarder:
         """The socket that answers from ``VIP:port``; bound on first use, never reading."""
         s = self._reply_socks.get(local)
         if s is None:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+            six = ":" in local[0]
+            s = socket.socket(_family(local[0]), socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
             try:
                 synfilter.attach(s, _DROP_ALL)
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)  # bind even before the route
+                # Bind even before the route.
+                if six:
+                    s.setsockopt(socket.IPPROTO_IPV6, IPV6_TRANSPARENT, 1)
+                else:
+                    s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
                 s.bind(local)
             except BaseException:
                 s.close()

@@ -109,3 +109,72 @@ def test_cluster_cidr_sources_pass_the_drop_filter() -> None:
     assert not run_program(prog, "10.79.0.100", TCP_SYN)  # an external client
     assert not run_program(prog, "10.245.0.1", TCP_SYN)   # just outside the CIDR
     assert syn_drop_program(["10.77.0.12"]) == syn_drop_program(["10.77.0.12"], [])
+
+
+# -- IPv6 ---------------------------------------------------------------------------
+
+
+def test_ipv6_program_reads_the_source_at_net_offset_8() -> None:
+    """An IPv6 listener's filter: the node's IPv6 addresses and ::1 pass, others' SYNs drop."""
+    from proxy.userspace.synfilter import (
+        SKF_NET_OFF,
+        TCP_ACK,
+        TCP_SYN,
+        run_program,
+        syn_drop_program,
+    )
+
+    prog = syn_drop_program(["fd77:1::1", "10.0.0.1", "2001:db8::7"], family=6)
+    loads = {k for code, _, _, k in prog if code == 0x20}
+    # Four 32-bit loads of the 16-byte source at SKF_NET_OFF + 8, nothing else.
+    assert loads == {(SKF_NET_OFF + 8 + 4 * i) & 0xFFFFFFFF for i in range(4)}
+    for src, passes in [("fd77:1::1", True), ("2001:db8::7", True), ("::1", True),
+                        ("fd77:1::2", False), ("fd77:1:0:0:1::1", False), ("2001:db8::", False),
+                        ("::2", False), ("fe80::1", False)]:
+        assert run_program(prog, src, TCP_SYN) is passes, src
+        assert run_program(prog, src, TCP_SYN | TCP_ACK)  # a handshake's ACK always passes
+        assert run_program(prog, src, TCP_ACK)
+    # The IPv4 address given is not in it: an IPv6 listener never sees IPv4.
+    assert prog == syn_drop_program(["fd77:1::1", "2001:db8::7"], family=6)
+
+
+def test_ipv6_program_passes_pod_networks_by_prefix() -> None:
+    import ipaddress
+
+    from proxy.userspace.synfilter import TCP_SYN, run_program, syn_drop_program
+
+    nets = [ipaddress.ip_network("fd00:244::/56"), ipaddress.ip_network("10.244.0.0/16"),
+            ipaddress.ip_network("fd00:abc::/33")]
+    prog = syn_drop_program(["fd77:1::1"], nets, family=6)
+    assert run_program(prog, "fd00:244:0:ff::9", TCP_SYN)      # a pod, any node
+    assert not run_program(prog, "fd00:244:0:100::9", TCP_SYN)  # just past the /56
+    assert run_program(prog, "fd00:abc:7fff::1", TCP_SYN)     # the /33 ends inside word 2
+    assert not run_program(prog, "fd00:abc:8000::1", TCP_SYN)
+    assert not run_program(prog, "fd77:9::1", TCP_SYN)
+
+
+def test_ipv6_program_size_is_bounded() -> None:
+    from proxy.userspace.synfilter import syn_drop_program
+
+    addrs = [f"fd77::{i:x}" for i in range(31)]
+    assert len(syn_drop_program(addrs[:29], family=6)) < 255
+    with pytest.raises(ValueError, match="IPv6"):
+        syn_drop_program(addrs, family=6)
+
+
+def test_ipv6_reuseport_steering_uses_the_source_low_word() -> None:
+    import ipaddress
+
+    from proxy.userspace.synfilter import program_result, reuseport_steering_program
+
+    prog = reuseport_steering_program(4, family=6)
+    assert program_result(prog, "fd77:1::7", 0x02) == 7 % 4
+    assert program_result(prog, "fd77:1::1:6", 0x02) == 0x10006 % 4
+    assert program_result(reuseport_steering_program(3), "10.0.0.5", 0x02) == int(
+        ipaddress.IPv4Address("10.0.0.5")) % 3
+
+
+def test_ipv6_filter_attaches_to_an_ipv6_socket() -> None:
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+        synfilter.attach(s, syn_drop_program(["fd77:1::1"], family=6))
+        synfilter.detach(s)

@@ -166,7 +166,7 @@ async def test_metrics_port(hub: StateHub) -> None:
             "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "kubeproxy_network_programming_duration_seconds_bucket",
-            'kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy="external"}',
+            'kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family="IPv4",traffic_policy="external"}',
             "kubeproxy_proxy_healthz_total{",
             "kubeproxy_kpx_connections_accepted_total",
             "kubeproxy_kpx_healthz_connections_closed_total",

@@ -237,3 +237,27 @@ def test_through_the_lb_with_proxies(cli: Cli, tmp_path: Path) -> None:
     pids = cli.recorded_pids()
     cli("down")
     assert not cli.namespaces() and all_dead(pids)
+
+
+def test_up_dual_stack_shows_and_answers_on_ipv6(cli: Cli) -> None:
+    """``kpx lab up --dual-stack``: status shows each node's IPv6 address; the echo pod
+    answers the client over IPv6 (no kpx needed: straight to the pod)."""
+    try:
+        up = cli("up", "--dual-stack", "--no-proxies", "--no-lb")
+        assert "fd00:77::11" in up.stdout and "fd00:79::100" in up.stdout
+        st = cli.status()
+        assert st["dualStack"] is True and st["client_ip6"] == "fd00:79::100"
+        assert {n["name"]: n["ip6"] for n in st["nodes"]} == {
+            "node1": "fd00:77::11", "node2": "fd00:77::12", "node3": "fd00:77::13"}
+        [svc] = st["services"]
+        assert svc["ipFamilyPolicy"] == "PreferDualStack"
+        assert svc["ipFamilies"] == ["IPv4", "IPv6"] and len(svc["clusterIPs"]) == 2
+        table = cli("status").stdout
+        assert re.search(r"node1\s+10\.77\.0\.11\s+fd00:77::11\s", table), table
+        [pod] = st["pods"]
+        out = cli("exec", "client", "--", sys.executable, "-c",
+                  "import socket,sys; s=socket.create_connection((sys.argv[1], 8080), 2);"
+                  " s.sendall(b'WHO\\n'); print(s.recv(4096).decode())", pod["ip6"]).stdout
+        assert json.loads(out)["peer"].rsplit(":", 1)[0] == "fd00:79::100"
+    finally:
+        cli("down", check=False)

@@ -149,6 +149,8 @@ class Server(socketserver.ThreadingTCPServer):
         """(command, how the session ended: done, reset or error)."""
         self.holding = threading.Event()
         self.stopping = threading.Event()
+        # An IPv6 address serves IPv6 (the dual-stack dataplane tests).
+        self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         super().__init__(addr, Handler)
 
     @property

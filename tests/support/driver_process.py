@@ -47,14 +47,20 @@ def in_test_netns() -> bool:
     )
 
 
-def write_status(path: Path, dp: Dataplane, extra: dict[str, object]) -> None:
+def write_status(path: Path, dp: Dataplane, extra: dict[str, object],
+                 dp6: Dataplane | None = None) -> None:
     # EMFILE while the fds are hogged: the next round writes it.
+    six: dict[str, object] = {} if dp6 is None else {
+        "listeners6": dp6.listeners(), "transparent6": dp6.transparent_active,
+        "active6": dp6.active_connections(),
+    }
     with contextlib.suppress(OSError):
         write_atomic(path, json.dumps({
             "generation": dp.generation,
             "listeners": dp.listeners(),
             "transparent": dp.transparent_active,
             "active": dp.active_connections(),
+            **six,
             **extra,
         }))
 
@@ -70,7 +76,17 @@ async def main(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         retry_interval=args.retry_interval,
     )
-    proxier = Proxier(sync_config(args.node, args.nodeport_cidrs), dataplane=dp)
+    # --ipv6: the IPv6 family's dataplane beside it, as ``kpx node`` runs one per family.
+    dp6 = Dataplane(
+        loop=loop,
+        transparent=args.transparent,
+        connect_timeout=args.connect_timeout,
+        max_connections=args.max_connections,
+        retry_interval=args.retry_interval,
+        family=6,
+    ) if args.ipv6 else None
+    proxier = Proxier(sync_config(args.node, args.nodeport_cidrs), dataplane=dp,
+                      dataplane6=dp6)
     extra: dict[str, object] = {"pid": os.getpid()}
     hog: list[int] = []
 
@@ -84,7 +100,7 @@ async def main(args: argparse.Namespace) -> int:
         extra["hogged"] = len(hog)
         # Writing the status needs one fd: lend it, then take it back.
         os.close(hog.pop())
-        write_status(status, dp, extra)
+        write_status(status, dp, extra, dp6)
         hog.append(os.open("/dev/null", os.O_RDONLY))
 
     def on_stdin() -> None:
@@ -94,7 +110,7 @@ async def main(args: argparse.Namespace) -> int:
                 os.close(fd)
             hog.clear()
             extra["hogged"] = 0
-            write_status(status, dp, extra)
+            write_status(status, dp, extra, dp6)
 
     if args.hog_fds:
         loop.add_reader(sys.stdin.fileno(), on_stdin)
@@ -119,7 +135,7 @@ async def main(args: argparse.Namespace) -> int:
                 logging.error("state refused: %s", exc)
         if args.hog_fds and generation == 1 and "hogged" not in extra:
             hog_fds()
-        write_status(status, dp, extra)
+        write_status(status, dp, extra, dp6)
         try:
             async with asyncio.timeout(0.05):
                 await stop.wait()
@@ -127,9 +143,14 @@ async def main(args: argparse.Namespace) -> int:
             pass
 
     await dp.stop_accepting()
+    if dp6 is not None:
+        await dp6.stop_accepting()
     extra["drain_reset"] = await dp.drain(args.grace)
+    if dp6 is not None:
+        extra["drain_reset6"] = await dp6.drain(args.grace)
+        dp6.close()
     dp.close()
-    write_status(status, dp, {**extra, "stopped": True})
+    write_status(status, dp, {**extra, "stopped": True}, dp6)
     return 0
 
 
@@ -139,6 +160,7 @@ def cli() -> int:
     p.add_argument("--state", required=True)
     p.add_argument("--status", required=True)
     p.add_argument("--transparent", action="store_true")
+    p.add_argument("--ipv6", action="store_true", help="an IPv6 dataplane too (dual-stack)")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--grace", type=float, default=2.0)
     p.add_argument("--nodeport-cidrs", nargs="*", default=[])

@@ -209,8 +209,8 @@ class TestRefusals:
             cluster={"serviceCIDR": "10.96.0.0/16", "podCIDR": "x",
                      "externalIPRoutes": {"203.0.113.10": "node7", "nope": "node1",
                                           "203.0.113.99": "node2"}})) == [
-            "cluster.podCIDR: unknown key (expected externalIPRoutes, nodeFields, nodeIPs,"
-            " podCIDRs, serviceCIDR)",
+            "cluster.podCIDR: unknown key (expected dualStack, externalIPRoutes, nodeFields,"
+            " nodeIPs, podCIDRs, serviceCIDR)",
             "cluster.externalIPRoutes.203.0.113.10: unknown node 'node7' (nodes: node1, node2,"
             " node3)",
             "cluster.externalIPRoutes.nope: 'nope' is not an IPv4 address",

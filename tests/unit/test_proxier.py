@@ -61,8 +61,8 @@ def test_no_local_endpoints_gauge_counts_dropping_local_service_ports() -> None:
         )
     )
     # Only "elsewhere" drops: "nowhere" rejects, "cluster" forwards.
-    assert sample(DROPPING, traffic_policy="external") == 1
-    assert sample(DROPPING, traffic_policy="internal") == 0
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 1
+    assert sample(DROPPING, traffic_policy="internal", ip_family="IPv4") == 0
 
 
 def test_network_programming_latency_observed_once_per_new_trigger() -> None:
@@ -97,19 +97,19 @@ def test_sync_metrics_prepared_or_not_give_the_same_gauges() -> None:
     clock.advance(3)
     prepared.prepare(first)
     prepared.sync(first)
-    assert sample(DROPPING, traffic_policy="external") == 1
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 1
     assert sample(COUNT) == n0 + 2
     prepared.prepare(second)
     prepared.sync(second)
-    assert sample(DROPPING, traffic_policy="external") == 0
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 0
     assert sample(COUNT) == n0 + 3  # only the slice whose trigger changed
 
     plain.prepare(second)  # prepared for another snapshot: not used for this one
     plain.sync(first)
-    assert sample(DROPPING, traffic_policy="external") == 1
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 1
     assert sample(COUNT) == n0 + 5
     plain.sync(second)
-    assert sample(DROPPING, traffic_policy="external") == 0
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 0
     assert sample(COUNT) == n0 + 6
 
 
@@ -183,9 +183,99 @@ def test_no_local_endpoints_gauge_counts_clusterips_that_drop_for_itp_local() ->
     )
     state = snap([svc], [eps_slice(svc, [ep("10.1.0.2", "node-b")])])
     Proxier(SyncConfig("node-a", vips=True), clock=FakeClock(T0)).sync(state)
-    assert sample(DROPPING, traffic_policy="internal") == 1
-    assert sample(DROPPING, traffic_policy="external") == 0
+    assert sample(DROPPING, traffic_policy="internal", ip_family="IPv4") == 1
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 0
     Proxier(SyncConfig("node-a", vips=True), clock=FakeClock(T0)).sync(
         snap([svc], [eps_slice(svc, [ep("10.1.0.1", "node-a")])], generation=2)
     )
-    assert sample(DROPPING, traffic_policy="internal") == 0
+    assert sample(DROPPING, traffic_policy="internal", ip_family="IPv4") == 0
+
+
+def _dual_state(node_ips: tuple[str, ...], generation: int = 1):  # type: ignore[no-untyped-def]
+    from proxy.k8s import parse_state
+    from tests.support.objects import endpoint_slice, node, service, state_yaml
+
+    return parse_state(state_yaml(
+        node("node-a", *node_ips),
+        service("web", 30080, type="LoadBalancer", etp="Local", hc_port=32000,
+                cluster_ip="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"],
+                ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="PreferDualStack"),
+        endpoint_slice("web", ("10.1.0.1", "node-a"), name="web-4"),
+        endpoint_slice("web", ("fd00:1::1", "node-a"), ("fd00:1::2", "node-a"), name="web-6",
+                       address_type="IPv6"),
+    ), generation)
+
+
+class FakeServices:
+    def __init__(self) -> None:
+        self.hosts: tuple[str, ...] = ()
+        self.counts: tuple[object, object] = ({}, None)
+
+    def sync_services(self, ports: object, hosts: object) -> None:
+        self.hosts = tuple(hosts)  # type: ignore[arg-type]
+
+    def sync_endpoints(self, local_ready: object, local_ready6: object = None) -> None:
+        self.counts = (local_ready, local_ready6)
+
+
+def test_each_family_dataplane_gets_its_own_result_and_healthz_both() -> None:
+    """kube-proxy's MetaProxier: IPv4 and IPv6 dataplanes, one sync, healthz fed both."""
+    four, six, services = Recorder(), Recorder(), FakeServices()
+    health = ProxyHealth(timeout=60)
+    turned: list[bool] = []
+    px = proxier(dataplane=four, dataplane6=six, services=services, health=health,
+                 healthz_ipv6=turned.append)
+    snapshot = _dual_state(("10.0.0.1", "fd00::a"))
+    px.prepare(snapshot)
+    px.sync(snapshot)
+    assert [r.family for r in four.prepared + four.applied] == [4, 4]
+    assert [r.family for r in six.prepared + six.applied] == [6, 6]
+    assert six.applied[0] is six.prepared[0]  # prepared once, off the loop
+    [v6] = six.applied
+    assert v6.listen_hosts == ("::",) and v6.node_ips == ("fd00::a",)
+    assert {e.ip for p in v6.plans.values() for e in p.cluster} == {"fd00:1::1", "fd00:1::2"}
+    assert {e.ip for p in four.applied[0].plans.values() for e in p.cluster} == {"10.1.0.1"}
+    assert services.hosts == ("0.0.0.0", "::")
+    assert services.counts == ({"default/web": 1}, {"default/web": 2})
+    assert health.families == ("IPv4", "IPv6") and turned == [True]
+
+    # The node loses its IPv6 address: the IPv6 dataplane is emptied, healthz told.
+    px.sync(_dual_state(("10.0.0.1",), 2))
+    assert six.applied[-1].family == 6 and six.applied[-1].plans == {}
+    assert six.applied[-1].listen_hosts == ()
+    assert services.hosts == ("0.0.0.0",) and services.counts[1] is None
+    assert health.families == ("IPv4",) and turned == [True, False]
+
+
+def test_sync_metrics_carry_each_family_it_programmed() -> None:
+    """``ip_family`` as kube-proxy's proxiers set it: IPv6 series while the node has IPv6.
+
+    node-a's IPv6 endpoints are elsewhere (node-b), its IPv4 one here: only
+    the IPv6 family drops eTP=Local traffic. When the node loses IPv6 its
+    IPv6 gauge goes to 0 rather than freezing, and its sync count stops.
+    """
+    from proxy.k8s import parse_state
+    from tests.support.objects import endpoint_slice, node, service, state_yaml
+
+    def state(ips: tuple[str, ...], generation: int):  # type: ignore[no-untyped-def]
+        return parse_state(state_yaml(
+            node("node-a", *ips),
+            service("web", 30080, type="LoadBalancer", etp="Local", hc_port=32000,
+                    cluster_ip="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"],
+                    ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="PreferDualStack"),
+            endpoint_slice("web", ("10.1.0.1", "node-a"), name="web-4"),
+            endpoint_slice("web", ("fd00:1::1", "node-b"), name="web-6", address_type="IPv6"),
+        ), generation)
+
+    runs = "kubeproxy_sync_proxy_rules_duration_seconds_count"
+    v4_runs, v6_runs = sample(runs, ip_family="IPv4"), sample(runs, ip_family="IPv6")
+    px = proxier()
+    px.sync(state(("10.0.0.1", "fd00::a"), 1))
+    assert sample(runs, ip_family="IPv4") == v4_runs + 1
+    assert sample(runs, ip_family="IPv6") == v6_runs + 1
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 0
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv6") == 1
+    px.sync(state(("10.0.0.1",), 2))
+    assert sample(runs, ip_family="IPv4") == v4_runs + 2
+    assert sample(runs, ip_family="IPv6") == v6_runs + 1
+    assert sample(DROPPING, traffic_policy="external", ip_family="IPv6") == 0
