@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import yaml
 
 from bench import cli, report
 from bench.backends import haproxy_http_config
-from bench.contenders import HAProxy, Kernel, Naive, bench_state
+from bench.contenders import ContenderError, HAProxy, Kernel, Kpx, Naive, bench_state
 from bench.results import (
     CellTable,
     Run,
@@ -358,6 +359,36 @@ def test_the_kernel_ip6_rules_load_and_dnat(topo6: Topology, tmp_path: Path) -> 
         ls.close()
 
 
+@pytest.mark.lab
+@pytest.mark.timeout(60)
+def test_a_kpx_without_ipv6_fails_its_ipv6_start_clearly_not_by_hanging(
+        topo6: Topology, tmp_path: Path) -> None:
+    """The stand-in kpx (tests/bench/fake_kpx.py) serves its node's first InternalIP
+    only, as kpx did before issue 14: its IPv6 start must fail within the grace, naming
+    IPv6 and the address, once its IPv4 NodePorts have shown it took the state."""
+    pytest.importorskip("proxy.k8s")
+    here = Path(__file__).resolve().parent
+    exe = tmp_path / "fake-kpx"
+    exe.write_text(f'#!/bin/sh\nexec {sys.executable} {here / "fake_kpx.py"} "$@"\n')
+    exe.chmod(0o755)
+    k = Kpx(topo6, tmp_path, str(exe))
+    k.family, k.ipv6_grace = 6, 2.0
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ContenderError) as err:
+            k.start("local")
+        took = time.monotonic() - t0
+        assert topo6.thread("node1").call(listening_ports, 4) >= {30400, 30401}
+    finally:
+        k.stop()
+    msg = str(err.value)
+    assert msg.startswith("kpx serves the dual-stack bench service on node1's IPv4 address "
+                          "but not on its IPv6 address [fd00:90:1::1]:30400 within 2s"), msg
+    assert took < k.start_timeout, took
+    state = (tmp_path / "state-kpx.yaml").read_text()
+    assert "ipFamilyPolicy: PreferDualStack" in state and "addressType: IPv6" in state
+
+
 # ---- one short bench over both families --------------------------------------------
 
 
@@ -395,10 +426,9 @@ def test_rr_and_cps_over_both_families_in_one_run(tmp_path: Path) -> None:
                 cell = table.get(path, w, who)
                 assert cell is not None and cell.status == "ok", (path, w, who, cell)
                 assert cell.median("req_per_s" if w == "rr" else "conn_per_s") > 0
-    for w in ("rr", "cps"):
+    for w in ("rr", "cps"):  # kpx serves IPv6 NodePorts since issue 14's dataplane
         cell = table.get("local/ipv6", w, "kpx")
-        assert cell is not None, text
-        assert cell.status == "ok" or "IPv6" in (cell.reason or ""), cell.to_json()
+        assert cell is not None and cell.status == "ok", (cell and cell.to_json(), text)
     assert doc["topology"]["ipv6"]["node1"] == NODE1_IP6
     rows = {(f["name"], f["metric"]): f for f in doc["family_ratios"]}
     assert set(rows) == {(f"kpx/{r}", m) for r in ("haproxy", "kernel")
