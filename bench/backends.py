@@ -26,6 +26,12 @@ it shares the ceiling with the client; a proxy in the middle costs far more.
 It is bound to one address of its pod (pod1 has two, and a reply sent from
 the other would be dropped by the client's connected socket), and runs only
 when ``udp`` does, so the TCP workloads' pods are exactly as before.
+
+With ``ipv6`` (an IPv6 run, issue 14) the same HTTP backends also answer on
+the pods' IPv6 addresses, under the same names: one HAProxy per pod with a
+bind per address, so a backend is the same process whichever family reaches
+it. The bulk sink, iperf3 and the UDP echo stay IPv4: IPv6 runs cover rr and
+cps only.
 """
 
 from __future__ import annotations
@@ -37,9 +43,14 @@ from pathlib import Path
 from bench.procs import Proc, nofile_hard_limit
 from bench.topology import (
     POD1_ALT_IP,
+    POD1_ALT_IP6,
     POD1_IP,
+    POD1_IP6,
     POD2_IP,
+    POD2_IP6,
     Topology,
+    host_port,
+    listening_ports,
     read_tcp_table,
     udp_bound_ports,
 )
@@ -59,18 +70,32 @@ class BackendSet:
 
     http_ip: str
     name: str
+    http_ip6: str | None = None
+    """The same backend's IPv6 address (answering with the same name)."""
+
+    def ip(self, family: int = 4) -> str:
+        """The backend's address in ``family``; raises ValueError when it has none."""
+        if family == 4:
+            return self.http_ip
+        if self.http_ip6 is None:
+            raise ValueError(f"backend {self.name} has no IPv6 address")
+        return self.http_ip6
 
 
 BACKENDS = {
-    "local": BackendSet(POD1_IP, "pod1-a"),
-    "cross": BackendSet(POD2_IP, "pod2"),
+    "local": BackendSet(POD1_IP, "pod1-a", POD1_IP6),
+    "cross": BackendSet(POD2_IP, "pod2", POD2_IP6),
     "clusterip": BackendSet(POD2_IP, "pod2"),  # the ClusterIP's endpoint is on node2
 }
-ALT_LOCAL = BackendSet(POD1_ALT_IP, "pod1-b")
+ALT_LOCAL = BackendSet(POD1_ALT_IP, "pod1-b", POD1_ALT_IP6)
 
 
 def haproxy_http_config(binds: list[tuple[str, str]]) -> str:
-    """An HAProxy config answering ``200 <name>`` on each (ip, name)."""
+    """An HAProxy config answering ``200 <name>`` on each (ip, name).
+
+    One frontend per name, with a bind per address (an IPv6 one in brackets):
+    a backend reached over IPv4 or IPv6 is the same frontend, named the same.
+    """
     lines = [
         "global",
         "    nbthread 1",
@@ -88,30 +113,42 @@ def haproxy_http_config(binds: list[tuple[str, str]]) -> str:
         "    timeout http-keep-alive 10m",
         f"    maxconn {BACKEND_MAXCONN}",
     ]
+    by_name: dict[str, list[str]] = {}
     for ip, name in binds:
-        lines += [
-            f"frontend web_{name.replace('-', '_')}",
-            f"    bind {ip}:{HTTP_PORT}",
-            f'    http-request return status 200 content-type text/plain string "{name}\\n"',
-        ]
+        by_name.setdefault(name, []).append(ip)
+    for name, ips in by_name.items():
+        lines.append(f"frontend web_{name.replace('-', '_')}")
+        lines += [f"    bind {host_port(ip, HTTP_PORT)}" for ip in ips]
+        lines.append(
+            f'    http-request return status 200 content-type text/plain string "{name}\\n"')
     return "\n".join(lines) + "\n"
 
 
 class Backends:
     """Start/stop the pod backends for the whole bench run."""
 
-    def __init__(self, topo: Topology, log_dir: Path, udp: bool = False) -> None:
+    def __init__(self, topo: Topology, log_dir: Path, udp: bool = False,
+                 ipv6: bool = False) -> None:
         self.topo = topo
         self.log_dir = log_dir
         self.udp = udp
         """Also start the UDP echo (only when the udp workload runs)."""
+        self.ipv6 = ipv6
+        """The HTTP backends also answer on the pods' IPv6 addresses (an IPv6 run)."""
         self.procs: dict[str, Proc] = {}
 
+    def binds(self) -> dict[str, list[tuple[str, str]]]:
+        """Per pod, the (address, name) pairs its HTTP backend answers on; the pod's
+        first IPv4 address is its bulk, iperf3 and UDP address."""
+        out = {"pod1": [(POD1_IP, "pod1-a"), (POD1_ALT_IP, "pod1-b")],
+               "pod2": [(POD2_IP, "pod2")]}
+        if self.ipv6:
+            out["pod1"] += [(POD1_IP6, "pod1-a"), (POD1_ALT_IP6, "pod1-b")]
+            out["pod2"] += [(POD2_IP6, "pod2")]
+        return out
+
     def start(self) -> None:
-        for role, binds in (
-            ("pod1", [(POD1_IP, "pod1-a"), (POD1_ALT_IP, "pod1-b")]),
-            ("pod2", [(POD2_IP, "pod2")]),
-        ):
+        for role, binds in self.binds().items():
             if self.udp:
                 ip, name = binds[0]
                 self.procs[f"udp-{role}"] = Proc(
@@ -148,6 +185,9 @@ class Backends:
                 table = self.topo.thread(role).call(read_tcp_table)
                 ports = {lp for lp, _, st in table if st == "LISTEN"}
                 if self.udp and UDP_PORT not in self.topo.thread(role).call(udp_bound_ports):
+                    return False
+                if self.ipv6 and HTTP_PORT not in self.topo.thread(role).call(
+                        listening_ports, 6):
                     return False
                 return {HTTP_PORT, IPERF_PORT, BULK_PORT} <= ports
             if not poll(listening, timeout, 0.05):

@@ -14,6 +14,13 @@ in under three minutes; the default is the full run the lead measures with
 workload runs only when named (``--workloads udp``, or a list with it): the
 default run stays what it was before UDP, and so does the default contender
 list, to which udp adds socat (UDP only) when it runs.
+
+``--families`` (issue 14) picks the address families of the data-path runs,
+as a comma list like ``--paths``: ``4`` (the default: exactly the run there
+always was), ``6``, or ``4,6`` (each contender's IPv6 start right after its
+IPv4 one, and the IPv6/IPv4 ratio table). Over IPv6 only rr and cps run,
+on the NodePort paths; asking for nothing that can run over the families
+given (``--families 6 --workloads mem``) is an error, not an empty run.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from types import FrameType
 
 from bench.contenders import CONTENDER_ORDER, UDP_ONLY, default_contenders
 from bench.control import ControlSettings
-from bench.results import DEFAULT_WORKLOADS, WORKLOADS
+from bench.results import DEFAULT_WORKLOADS, FAMILIES, IPV6_PATHS, IPV6_WORKLOADS, WORKLOADS
 from bench.runner import Bench, Config
 from bench.scale import CONTENDERS as SCALE_CONTENDERS
 from bench.scale import run_cli as run_scale
@@ -55,6 +62,19 @@ def _csv(allowed: tuple[str, ...]):  # type: ignore[no-untyped-def]
             raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(allowed)}")
         return items
     return parse
+
+
+class ConfigError(ValueError):
+    """Flags that contradict each other; the message names the flags."""
+
+
+def _families(text: str) -> list[int]:
+    items = [x.strip().lower().removeprefix("ipv") for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in {str(f) for f in FAMILIES}]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(
+            f"unknown {bad or text!r}; choose from {','.join(map(str, FAMILIES))}")
+    return sorted({int(x) for x in items})
 
 
 def _sizes(text: str) -> list[int]:
@@ -93,6 +113,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="local (endpoint on node1), cross (endpoint behind node2, SNAT), "
                              "clusterip (a pod on node1 dials the service's ClusterIP, "
                              "endpoint behind node2); default local,cross, quick local")
+    parser.add_argument("--families", type=_families, metavar="LIST",
+                        help="address families of the data-path runs: comma list of 4,6 "
+                             "(default 4). 6 runs rr and cps over IPv6 on the NodePort paths "
+                             "(local, cross) and, with 4,6, reports each kpx ratio over IPv6 "
+                             "against the same over IPv4 (issue 14)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",
                         help=f"where the JSON and PNGs go (default {RESULTS_DIR})")
     parser.add_argument("--pause", type=float, metavar="S",
@@ -142,8 +167,25 @@ def build_config(args: argparse.Namespace) -> Config:
         changes=args.changes if args.changes is not None else (20 if q else 100),
         idle_seconds=args.idle_seconds if args.idle_seconds is not None else (2.0 if q else 5.0),
     )
+    families = getattr(args, "families", None) or [4]
     paths = args.paths or (["local"] if q else list(PATHS))
     workloads = args.workloads or list(DEFAULT_WORKLOADS)
+    if 4 not in families:
+        # IPv6 alone: only what runs over IPv6, and the defaults narrowed to it.
+        if not args.workloads:
+            workloads = list(IPV6_WORKLOADS)
+        if not args.paths:
+            paths = [p for p in paths if p in IPV6_PATHS]
+        v4_only = [w for w in workloads if w not in IPV6_WORKLOADS]
+        if v4_only:
+            raise ConfigError(f"--families 6: {','.join(v4_only)} run over IPv4 only (IPv6 "
+                              f"runs {','.join(IPV6_WORKLOADS)}); use --families 4,6 or drop "
+                              f"them from --workloads")
+        bad_paths = [p for p in paths if p not in IPV6_PATHS]
+        if bad_paths:
+            raise ConfigError(f"--families 6: the {','.join(bad_paths)} path runs over IPv4 "
+                              f"only (IPv6 runs the NodePort paths "
+                              f"{','.join(IPV6_PATHS)}); use --families 4,6")
     return Config(
         quick=q,
         runs=args.runs or (1 if q else 3),
@@ -152,6 +194,7 @@ def build_config(args: argparse.Namespace) -> Config:
         mem_paths=["local"] if "local" in paths else paths[:1],
         workloads=workloads,
         contenders=args.contenders or default_contenders(workloads),
+        families=families,
         out=args.out,
         kpx=args.kpx or _default_kpx(),
         etp=args.etp,
@@ -196,7 +239,11 @@ def run(args: argparse.Namespace) -> int:
         return _with_signals(lambda: run_scale(
             args.quick, args.out, args.kpx or _default_kpx(), args.scale_sizes,
             args.scale_contenders, args.scale_connections, args.keep_logs))
-    cfg = build_config(args)
+    try:
+        cfg = build_config(args)
+    except ConfigError as e:
+        print(f"kpx bench: {e}", file=sys.stderr)
+        return 2
     optional = UDP_TOOLS if "udp" in cfg.workloads and "socat" in cfg.contenders else None
     missing = ensure_tools(not args.no_install, optional)
     if missing:

@@ -18,6 +18,14 @@ nothing left over from one (TIME_WAIT, conntrack) can collide with the next.
 Only one contender runs at a time: the kernel's nft table is loaded only for
 its own runs, since a NAT table in node1 turns on conntrack for everything
 crossing it and would tax the others.
+
+Address families (issue 14): a contender runs one family at a time, set in
+``family`` by the runner before ``start``. Over IPv6 the front is node1's
+IPv6 address (``NODE1_IP6``) on the same ports, the backend the same pod's
+IPv6 address: the kernel loads an ``ip6`` table of the same rules, HAProxy
+and naive bind the IPv6 address, and kpx gets a dual-stack state
+(``bench_state(..., family=6)``). Only the NodePort paths (local, cross)
+run over IPv6.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import re
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +45,18 @@ from bench.backends import BACKENDS, BULK_PORT, HTTP_PORT, IPERF_PORT, UDP_PORT,
 from bench.procs import Proc, nofile_hard_limit
 from bench.topology import (
     NODE1_IP,
+    NODE1_IP6,
     NODE2_IP,
+    NODE2_IP6,
     POD1_IP,
+    POD1_IP6,
     POD2_IP,
+    POD2_IP6,
     SERVICE_VIP,
+    SERVICE_VIP6,
     CommandError,
     Topology,
+    host_port,
     listening_ports,
     sh,
     udp_bound_ports,
@@ -165,16 +180,28 @@ class Contender:
         self.topo = topo
         self.log_dir = log_dir
         self.path = "local"
+        self.family = 4
+        """The address family of this start (4 or 6); the runner sets it before ``start``."""
 
     def unavailable(self) -> str | None:
         """Why this contender cannot run at all on this machine (checked once)."""
         return None
 
     def target(self) -> Target:
+        return self.target_of(self.family)
+
+    def target_of(self, family: int) -> Target:
+        """Where the client dials over ``family``: node1's address of that family on the
+        contender's ports (the clusterip path is IPv4 only)."""
         if self.path == "clusterip":
             return Target(SERVICE_VIP, *VIP_PORTS, udp_port=VIP_UDP_PORT)
-        return Target(NODE1_IP, self.port_base, self.port_base + 1, self.port_base + 3,
+        return Target(NODE1_IP6 if family == 6 else NODE1_IP, self.port_base,
+                      self.port_base + 1, self.port_base + 3,
                       udp_port=self.port_base + UDP_OFFSET)
+
+    def backend_ip(self) -> str:
+        """The path's backend address in this start's family."""
+        return self.backend().ip(self.family)
 
     @property
     def client_role(self) -> str:
@@ -210,11 +237,11 @@ class Contender:
             try:
                 got = self.topo.thread(self.client_role).call(http_get, t.ip, t.http_port)
             except OSError as e:
-                last = f"GET http://{t.ip}:{t.http_port}/ failed: {e}"
+                last = f"GET http://{host_port(t.ip, t.http_port)}/ failed: {e}"
                 continue
             if got == want:
                 return
-            last = f"GET http://{t.ip}:{t.http_port}/ reached {got!r}, expected {want!r}"
+            last = f"GET http://{host_port(t.ip, t.http_port)}/ reached {got!r}, expected {want!r}"
         dead = self.alive_problem()
         raise ContenderError(dead or last)
 
@@ -243,13 +270,16 @@ class Contender:
             raise ContenderError(f"{self.name} not bound to UDP {sorted(ports)} after "
                                  f"{timeout:.0f}s: {proc.why()}")
 
-    def wait_listening(self, proc: Proc | None, ports: set[int], timeout: float) -> None:
-        """Until node1 has listeners on ``ports``; a dead process fails at once with its log."""
+    def wait_listening(self, proc: Proc | None, ports: set[int], timeout: float,
+                       family: int | None = None) -> None:
+        """Until node1 has listeners on ``ports`` (of ``family``, default this start's);
+        a dead process fails at once with its log."""
+        fam = self.family if family is None else family
 
         def ready() -> bool:
             if proc is not None and not proc.alive():
                 return True
-            return ports <= self.topo.thread("node1").call(listening_ports)
+            return ports <= self.topo.thread("node1").call(listening_ports, fam)
 
         ok = poll(ready, timeout, 0.05)
         if proc is not None and not proc.alive():
@@ -258,8 +288,9 @@ class Contender:
             )
         if not ok:
             tail = f": {proc.why()}" if proc is not None else ""
+            what = "IPv6 " if fam == 6 else ""
             raise ContenderError(
-                f"{self.name} not listening on {sorted(ports)} after {timeout:.0f}s{tail}"
+                f"{self.name} not listening on {what}{sorted(ports)} after {timeout:.0f}s{tail}"
             )
 
 
@@ -269,8 +300,8 @@ class Direct(Contender):
     proxied = False
     has_process = False
 
-    def target(self) -> Target:
-        return Target(self.backend().http_ip, HTTP_PORT, BULK_PORT, IPERF_PORT, UDP_PORT)
+    def target_of(self, family: int) -> Target:
+        return Target(self.backend().ip(family), HTTP_PORT, BULK_PORT, IPERF_PORT, UDP_PORT)
 
 
 class Kernel(Contender):
@@ -282,6 +313,10 @@ class Kernel(Contender):
     def ruleset(self) -> str:
         """DNAT of the front address (node1's IP, or the ClusterIP) + masquerade.
 
+        Over IPv6 the same rules go in a table of family ``ip6`` (``ip6
+        daddr``, the pod's address in brackets), as kube-proxy's nftables
+        mode keeps an ``ip6 kube-proxy`` table beside ``ip kube-proxy``.
+
         The UDP rule is the TCP one with ``udp``: conntrack keeps a UDP flow
         by its 4-tuple, so each of the udp workload's flows is DNATed once and
         its replies are un-NATed on the way back, as kube-proxy does for DNS.
@@ -290,16 +325,17 @@ class Kernel(Contender):
         prerouting, before routing: no local address needed), masquerade kept
         as on the NodePort paths.
         """
-        b = self.backend().http_ip
+        b = self.backend_ip()
         t = self.target()
+        fam, match = self.nft_family(), "ip6 daddr" if self.family == 6 else "ip daddr"
         return (
-            f"table ip {NFT_TABLE} {{\n"
+            f"table {fam} {NFT_TABLE} {{\n"
             "  chain pre {\n"
             "    type nat hook prerouting priority dstnat; policy accept;\n"
-            f"    ip daddr {t.ip} tcp dport {t.http_port} dnat to {b}:{HTTP_PORT}\n"
-            f"    ip daddr {t.ip} tcp dport {t.bulk_port} dnat to {b}:{BULK_PORT}\n"
-            f"    ip daddr {t.ip} tcp dport {t.iperf_port} dnat to {b}:{IPERF_PORT}\n"
-            f"    ip daddr {t.ip} udp dport {t.udp_port} dnat to {b}:{UDP_PORT}\n"
+            f"    {match} {t.ip} tcp dport {t.http_port} dnat to {host_port(b, HTTP_PORT)}\n"
+            f"    {match} {t.ip} tcp dport {t.bulk_port} dnat to {host_port(b, BULK_PORT)}\n"
+            f"    {match} {t.ip} tcp dport {t.iperf_port} dnat to {host_port(b, IPERF_PORT)}\n"
+            f"    {match} {t.ip} udp dport {t.udp_port} dnat to {host_port(b, UDP_PORT)}\n"
             "  }\n"
             "  chain post {\n"
             "    type nat hook postrouting priority srcnat; policy accept;\n"
@@ -308,16 +344,23 @@ class Kernel(Contender):
             "}\n"
         )
 
+    def nft_family(self) -> str:
+        return "ip6" if self.family == 6 else "ip"
+
     def start(self, path: str) -> None:
         super().start(path)
+        self._loaded = self.nft_family()
         try:
             self.topo.run("node1", ["nft", "-f", "-"], input_text=self.ruleset())
         except CommandError as e:
             raise ContenderError(f"nft: {e}") from e
         self.topo.conntrack_sysctls()
 
+    _loaded = "ip"
+    """The nft family of the table the last ``start`` loaded (what ``stop`` deletes)."""
+
     def stop(self) -> None:
-        self.topo.run("node1", ["nft", "delete", "table", "ip", NFT_TABLE], check=False)
+        self.topo.run("node1", ["nft", "delete", "table", self._loaded, NFT_TABLE], check=False)
 
 
 class ProcessContender(Contender):
@@ -371,7 +414,7 @@ class HAProxy(ProcessContender):
         return None
 
     def config(self) -> str:
-        b = self.backend().http_ip
+        b = self.backend_ip()
         t = self.target()
         hard = nofile_hard_limit()
         maxconn = max(1000, (hard - 200) // 2)
@@ -388,20 +431,20 @@ class HAProxy(ProcessContender):
             "    timeout client 10m",
             "    timeout server 10m",
             "frontend fe_http",
-            f"    bind {t.ip}:{t.http_port}",
+            f"    bind {host_port(t.ip, t.http_port)}",
             "    default_backend be_http",
             "backend be_http",
-            f"    server pod {b}:{HTTP_PORT}",
+            f"    server pod {host_port(b, HTTP_PORT)}",
             "frontend fe_bulk",
-            f"    bind {t.ip}:{t.bulk_port}",
+            f"    bind {host_port(t.ip, t.bulk_port)}",
             "    default_backend be_bulk",
             "backend be_bulk",
-            f"    server pod {b}:{BULK_PORT}",
+            f"    server pod {host_port(b, BULK_PORT)}",
             "frontend fe_iperf",
-            f"    bind {t.ip}:{t.iperf_port}",
+            f"    bind {host_port(t.ip, t.iperf_port)}",
             "    default_backend be_iperf",
             "backend be_iperf",
-            f"    server pod {b}:{IPERF_PORT}",
+            f"    server pod {host_port(b, IPERF_PORT)}",
         ]) + "\n"
 
     def start(self, path: str) -> None:
@@ -424,19 +467,22 @@ class Naive(ProcessContender):
 
     def start(self, path: str) -> None:
         super().start(path)
-        b = self.backend().http_ip
+        b = self.backend_ip()
         t = self.target()
-        specs = [f"{t.ip}:{t.http_port}={b}:{HTTP_PORT}",
-                 f"{t.ip}:{t.bulk_port}={b}:{BULK_PORT}",
-                 f"{t.ip}:{t.iperf_port}={b}:{IPERF_PORT}",
-                 f"udp:{t.ip}:{t.udp_port}={b}:{UDP_PORT}"]
+        specs = [f"{host_port(t.ip, t.http_port)}={host_port(b, HTTP_PORT)}",
+                 f"{host_port(t.ip, t.bulk_port)}={host_port(b, BULK_PORT)}",
+                 f"{host_port(t.ip, t.iperf_port)}={host_port(b, IPERF_PORT)}",
+                 f"udp:{host_port(t.ip, t.udp_port)}={host_port(b, UDP_PORT)}"]
+        if self.family == 6:
+            specs.pop()  # the udp workload is IPv4 only: no UDP front to wait for
         self.add_vip_route()
         self.proc = Proc(f"naive-{path}",
                          self.topo.exec_argv("node1", [sys.executable, "-m", "bench.naive_proxy",
                                                        *specs]),
                          self.log_dir, nofile=nofile_hard_limit()).start()
         self.wait_listening(self.proc, {t.http_port, t.bulk_port}, 15.0)
-        self.wait_udp_bound(self.proc, {t.udp_port}, 5.0)
+        if self.family == 4:
+            self.wait_udp_bound(self.proc, {t.udp_port}, 5.0)
 
 
 class Socat(ProcessContender):
@@ -478,15 +524,28 @@ class Socat(ProcessContender):
 
 def bench_state(path: str, http_node_port: int, bulk_node_port: int,
                 extra: list[k8s_state.ServiceSpec] | None = None, etp: str = "Cluster",
-                iperf_node_port: int | None = None, udp_node_port: int | None = None) -> str:
+                iperf_node_port: int | None = None, udp_node_port: int | None = None,
+                family: int = 4) -> str:
     """The kpx state for one path: the bench service plus ``extra`` services.
 
     Ports: http (80 -> 8080), bulk (5202) and iperf3 (5201; nodePort defaults
     to ``http_node_port + 3``, the contender's iperf front port), and with
     ``udp_node_port`` a UDP port ``echo-udp`` (53 -> 5353), kube-dns style: a
     mixed-protocol service, the slice port carrying ``protocol: UDP`` too.
+
+    ``family=6`` (an IPv6 run): the cluster is dual-stack. Both Nodes carry
+    their IPv6 InternalIP after the IPv4 one, the bench service is
+    ``ipFamilyPolicy: PreferDualStack`` with ``ipFamilies: [IPv4, IPv6]`` and
+    both ClusterIPs, and its endpoint has an ``addressType: IPv6`` slice
+    beside the IPv4 one: the same service reached on node1's IPv6 address.
+    Dual-stack rather than IPv6-only so that one start proves kpx took the
+    state (its IPv4 NodePorts listen) before its IPv6 ones are judged, and
+    because that is the service a dual-stack cluster's users have.
     """
-    ep = k8s_state.Ep(POD1_IP, "node1") if path == "local" else k8s_state.Ep(POD2_IP, "node2")
+    if family == 6 and path == "clusterip":
+        raise ValueError("the clusterip path is not run over IPv6: only local and cross")
+    local = path == "local"
+    ep = k8s_state.Ep(POD1_IP, "node1") if local else k8s_state.Ep(POD2_IP, "node2")
     http, bulk, iperf = VIP_PORTS
     udp = (k8s_state.Port("echo-udp", VIP_UDP_PORT, UDP_PORT, udp_node_port, "UDP"),) \
         if udp_node_port else ()
@@ -500,7 +559,13 @@ def bench_state(path: str, http_node_port: int, bulk_node_port: int,
         etp=etp,
         cluster_ip=SERVICE_VIP,
     )
-    return k8s_state.render([("node1", NODE1_IP), ("node2", NODE2_IP)], [svc, *(extra or [])])
+    if family == 6:
+        svc = replace(svc, ip_families=("IPv4", "IPv6"), cluster_ips=(SERVICE_VIP, SERVICE_VIP6),
+                      endpoints6=(k8s_state.Ep(POD1_IP6 if local else POD2_IP6, ep.node),))
+        nodes = [("node1", NODE1_IP, NODE1_IP6), ("node2", NODE2_IP, NODE2_IP6)]
+    else:
+        nodes = [("node1", NODE1_IP), ("node2", NODE2_IP)]
+    return k8s_state.render(nodes, [svc, *(extra or [])])
 
 
 class Kpx(ProcessContender):
@@ -577,15 +642,26 @@ class Kpx(ProcessContender):
         udp_node_port = self.port_base + UDP_OFFSET if self.udp_service else None
         write_atomic(self.state_path,
                      state or bench_state(path, self.port_base, self.port_base + 1,
-                                          etp=self.etp, udp_node_port=udp_node_port))
+                                          etp=self.etp, udp_node_port=udp_node_port,
+                                          family=self.family))
         self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", self.argv()),
                          self.log_dir, nofile=nofile_hard_limit()).start()
         return self.proc
+
+    ipv6_grace = 10.0
+    """Seconds an IPv6 start waits for kpx's IPv6 front once its IPv4 one is up: both
+    come from the same sync of the same dual-stack state."""
 
     def start(self, path: str, state: str | None = None) -> None:
         super().start(path)
         t = self.target()
         proc = self.launch(path, state)
+        if self.family == 6:
+            # The IPv4 listeners say kpx has taken the state; then its IPv6 ones.
+            self.wait_listening(proc, {t.http_port, t.bulk_port}, self.start_timeout, family=4)
+            self.wait_ipv6(proc, lambda: self.wait_listening(
+                proc, {t.http_port, t.bulk_port}, self.ipv6_grace))
+            return
         if path != "clusterip":
             self.wait_listening(proc, {t.http_port, t.bulk_port}, self.start_timeout)
             return
@@ -595,9 +671,26 @@ class Kpx(ProcessContender):
         self.wait_listening(proc, {self.port_base, self.port_base + 1}, self.start_timeout)
         self.wait_answering(proc)
 
-    def wait_answering(self, proc: Proc) -> None:
-        """Until a GET through the target answers: for rules put in force after a sync."""
-        t = self.target()
+    def wait_ipv6(self, proc: Proc, wait: Callable[[], None]) -> None:
+        """``wait`` for the IPv6 front of a kpx that has already served the state's IPv4
+        one; its failure says what an IPv6 cell needs to say (kpx does not serve IPv6,
+        as before issue 14), and comes within ``ipv6_grace`` rather than a hang."""
+        try:
+            wait()
+        except ContenderError as e:
+            t = self.target_of(6)
+            raise ContenderError(
+                f"{self.name} serves the dual-stack bench service on node1's IPv4 address "
+                f"but not on its IPv6 address {host_port(t.ip, t.http_port)} within "
+                f"{self.ipv6_grace:g}s (does this kpx serve IPv6 NodePorts? issue 14): {e}"
+            ) from e
+
+    def wait_answering(self, proc: Proc, family: int | None = None,
+                       timeout: float | None = None) -> None:
+        """Until a GET through the target (of ``family``, default this start's) answers:
+        for rules put in force after a sync."""
+        t = self.target_of(self.family if family is None else family)
+        timeout = self.start_timeout if timeout is None else timeout
 
         def answers() -> bool:
             if not proc.alive():
@@ -608,9 +701,10 @@ class Kpx(ProcessContender):
                 return False
             return True
 
-        if not poll(answers, self.start_timeout, 0.05) or not proc.alive():
-            raise ContenderError(f"{self.name}: no answer through {t.ip}:{t.http_port} after "
-                                 f"{self.start_timeout:.0f}s: {proc.why()}")
+        if not poll(answers, timeout, 0.05) or not proc.alive():
+            raise ContenderError(f"{self.name}: no answer through "
+                                 f"{host_port(t.ip, t.http_port)} after {timeout:g}s: "
+                                 f"{proc.why()}")
 
 
 class KpxWorkers(Kpx):
@@ -651,9 +745,15 @@ class KpxNfqueue(Kpx):
         return [*super().argv(), "--proxy-mode", "nfqueue"]
 
     def start(self, path: str, state: str | None = None) -> None:
-        # Nothing listens in this mode: ready once a GET through the target answers.
+        # Nothing listens in this mode: ready once a GET through the target answers
+        # (over IPv6: once one through the IPv4 front has, then one through the IPv6 one).
         ProcessContender.start(self, path)
-        self.wait_answering(self.launch(path, state))
+        proc = self.launch(path, state)
+        if self.family == 6:
+            self.wait_answering(proc, family=4)
+            self.wait_ipv6(proc, lambda: self.wait_answering(proc, timeout=self.ipv6_grace))
+            return
+        self.wait_answering(proc)
 
 
 CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq")

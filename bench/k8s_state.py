@@ -2,7 +2,11 @@
 
 Owns: rendering v1 Nodes, NodePort v1 Services (TCP and UDP ports) and
 discovery.k8s.io/v1 EndpointSlices as ``kubectl get -o yaml`` would print
-them (multi-document, block style). Writing them is
+them (multi-document, block style), and for an IPv6 run (issue 14) what a
+dual-stack cluster prints: Nodes with an InternalIP of each family, a
+Service with ``ipFamilyPolicy``, ``ipFamilies`` and ``clusterIPs``, and an
+EndpointSlice per family (``addressType: IPv6`` beside the IPv4 one). A
+service without ``ip_families`` is rendered exactly as before. Writing them is
 ``lab.common.write_atomic`` (sibling, fsync, rename: how kpx's state source
 expects a file to change), re-exported here.
 
@@ -50,7 +54,11 @@ class Port:
     protocol: str = "TCP"
 
 
-def node_doc(name: str, internal_ip: str) -> str:
+def node_doc(name: str, internal_ip: str, *more_internal_ips: str) -> str:
+    """A Node; a dual-stack node lists an InternalIP per family (IPv4 first, as the
+    kubelet does with ``--node-ip=v4,v6``)."""
+    ips = "".join(f"  - type: InternalIP\n    address: {ip}\n"
+                  for ip in (internal_ip, *more_internal_ips))
     return (
         "apiVersion: v1\n"
         "kind: Node\n"
@@ -60,8 +68,7 @@ def node_doc(name: str, internal_ip: str) -> str:
         f"    kubernetes.io/hostname: {name}\n"
         "status:\n"
         "  addresses:\n"
-        "  - type: InternalIP\n"
-        f"    address: {internal_ip}\n"
+        f"{ips}"
         "  - type: Hostname\n"
         f"    address: {name}\n"
     )
@@ -81,11 +88,15 @@ render indexes (0 is the bench service, 10.96.0.10) of any state the bench write
 
 
 def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluster",
-                svc_type: str = "NodePort", cip: str | None = AUTO) -> str:
+                svc_type: str = "NodePort", cip: str | None = AUTO,
+                ip_families: tuple[str, ...] = (), cluster_ips: tuple[str, ...] = ()) -> str:
     """A Service; ``svc_type="ClusterIP"`` has no nodePort and no traffic policy.
 
     ``cip``: AUTO is ``cluster_ip(index)``, None leaves ``spec.clusterIP`` out
     (a service kpx serves on its NodePorts only), anything else is the address.
+    ``ip_families`` (``("IPv4", "IPv6")``...): written with ``ipFamilyPolicy``
+    (PreferDualStack for two, SingleStack for one) and ``clusterIPs``, whose
+    first entry is then ``clusterIP``, as the API server fills them in.
     """
     if cip == AUTO:
         cip = cluster_ip(index)
@@ -98,7 +109,18 @@ def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluste
         "spec:",
         f"  type: {svc_type}",
     ]
-    if cip is not None:
+    if ip_families:
+        if len(cluster_ips) != len(ip_families):
+            raise ValueError(f"service {name}: {len(ip_families)} ipFamilies need as many "
+                             f"clusterIPs, got {len(cluster_ips)}")
+        policy = "PreferDualStack" if len(ip_families) > 1 else "SingleStack"
+        lines.append(f"  clusterIP: {cluster_ips[0]}")
+        lines.append("  clusterIPs:")
+        lines += [f"  - {ip}" for ip in cluster_ips]
+        lines.append(f"  ipFamilyPolicy: {policy}")
+        lines.append("  ipFamilies:")
+        lines += [f"  - {f}" for f in ip_families]
+    elif cip is not None:
         lines.append(f"  clusterIP: {cip}")
     if svc_type != "ClusterIP":
         lines.append(f"  externalTrafficPolicy: {etp}")
@@ -115,16 +137,20 @@ def service_doc(name: str, index: int, ports: Iterable[Port], etp: str = "Cluste
     return "\n".join(lines) + "\n"
 
 
-def slice_doc(service: str, endpoints: Iterable[Ep], ports: Iterable[Port]) -> str:
+def slice_doc(service: str, endpoints: Iterable[Ep], ports: Iterable[Port],
+              address_type: str = "IPv4") -> str:
+    """An EndpointSlice; the endpoint controller keeps one per family (``IPv6``: named
+    ``<service>-ipv6``, beside the IPv4 ``<service>-abcde``)."""
+    suffix = "ipv6" if address_type == "IPv6" else "abcde"
     lines = [
         "apiVersion: discovery.k8s.io/v1",
         "kind: EndpointSlice",
         "metadata:",
-        f"  name: {service}-abcde",
+        f"  name: {service}-{suffix}",
         f"  namespace: {NAMESPACE}",
         "  labels:",
         f"    kubernetes.io/service-name: {service}",
-        "addressType: IPv4",
+        f"addressType: {address_type}",
         "endpoints:",
     ]
     for e in endpoints:
@@ -152,14 +178,25 @@ class ServiceSpec:
     type: str = "NodePort"
     cluster_ip: str | None = AUTO
     """AUTO: ``cluster_ip(render index)``; None: no clusterIP; else this address."""
+    ip_families: tuple[str, ...] = ()
+    """Empty: no ``ipFamilies`` written (IPv4, as before dual-stack). Else the families,
+    primary first, each with its address in ``cluster_ips``."""
+    cluster_ips: tuple[str, ...] = ()
+    endpoints6: tuple[Ep, ...] = ()
+    """The IPv6 slice's endpoints (rendered when ``ip_families`` has IPv6)."""
 
 
-def render(nodes: Iterable[tuple[str, str]], services: Iterable[ServiceSpec]) -> str:
-    """A whole state: nodes (name, InternalIP) then each service with its slice."""
-    docs = [node_doc(n, ip) for n, ip in nodes]
+def render(nodes: Iterable[tuple[str, ...]], services: Iterable[ServiceSpec]) -> str:
+    """A whole state: nodes (name, InternalIP, [its IPv6 InternalIP]) then each service
+    with its slice (and its IPv6 slice for a service with IPv6 in ``ip_families``)."""
+    docs = [node_doc(*n) for n in nodes]
     for i, s in enumerate(services):
-        docs.append(service_doc(s.name, i, s.ports, s.etp, s.type, s.cluster_ip))
-        docs.append(slice_doc(s.name, s.endpoints, s.ports))
+        docs.append(service_doc(s.name, i, s.ports, s.etp, s.type, s.cluster_ip,
+                                s.ip_families, s.cluster_ips))
+        if s.ip_families != ("IPv6",):
+            docs.append(slice_doc(s.name, s.endpoints, s.ports))
+        if "IPv6" in s.ip_families:
+            docs.append(slice_doc(s.name, s.endpoints6, s.ports, "IPv6"))
     return "---\n".join(docs)
 
 

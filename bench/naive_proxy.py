@@ -131,8 +131,9 @@ class UdpFront(asyncio.DatagramProtocol):
 
 
 def _addr(text: str) -> tuple[str, int]:
+    """``ip:port`` or ``[ipv6]:port`` (an IPv6 run's fronts and backends)."""
     host, port = text.rsplit(":", 1)
-    return host, int(port)
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 async def main(specs: list[str]) -> None:

@@ -15,8 +15,10 @@ import math
 from pathlib import Path
 
 from bench.results import (
+    FAMILY_TOLERANCE,
     METRICS,
     CellTable,
+    FamilyRatio,
     Ratio,
     TargetResult,
     family,
@@ -127,6 +129,19 @@ def target_table(targets: list[TargetResult]) -> str:
         rows.append([t.label, t.path or "-", t.goal, measured, t.status.upper(),
                      (t.reason or "")[:70]])
     return _table(rows, ["target", "path", "goal", "measured", "status", "note"])
+
+
+def family_table(rows: list[FamilyRatio]) -> str:
+    """kpx's ratios over IPv4 and IPv6 side by side, and IPv6/IPv4 (issue 14's target)."""
+    out = []
+    for r in rows:
+        ratio = f"{r.value:.2f}" if r.value is not None else "-"
+        out.append([r.path, r.name, METRICS[r.metric].label,
+                    f"{r.ipv4:.2f}x" if r.ipv4 is not None else "-",
+                    f"{r.ipv6:.2f}x" if r.ipv6 is not None else "-",
+                    ratio, r.status.upper(), (r.reason or "")[:70]])
+    return _table(out, ["path", "ratio", "metric", "IPv4", "IPv6", "IPv6/IPv4",
+                        f"within {FAMILY_TOLERANCE:.0%}", "why no value"])
 
 
 # ---- charts ------------------------------------------------------------------------

@@ -11,7 +11,12 @@ functions, so the arithmetic is unit-tested without a network:
 - a *ratio* divides two cells' medians and is ``None`` with a reason when
   either side is missing or failed;
 - a *target* is one row of issue 5's table, evaluated to met / missed /
-  not measured, with the measured figure.
+  not measured, with the measured figure;
+- a *family ratio* (issue 14) sets a ratio measured over IPv6 beside the
+  same ratio over IPv4 in the same run: IPv6 cells are on their own paths
+  (``local/ipv6`` beside ``local``, ``family_path``), so every ratio and
+  target above works for them unchanged, and ``family_ratios`` divides the
+  IPv6 ratio by the IPv4 one.
 
 The file is versioned by ``SCHEMA``; ``validate`` checks a loaded document's
 shape so a consumer (or the unit test's round trip) can rely on it.
@@ -86,6 +91,26 @@ DEFAULT_WORKLOADS = ("bulk", "rr", "cps", "mem", "control")
 """What runs without ``--workloads``: udp is asked for by name, so a default run
 (and every script built on one) measures what it did before udp existed."""
 DATA_WORKLOADS = ("bulk", "rr", "cps", "mem", "udp")
+
+FAMILIES = (4, 6)
+"""``--families`` values: IPv4 and IPv6."""
+IPV6_WORKLOADS = ("rr", "cps")
+"""The workloads run over IPv6 as well (issue 14); the others stay IPv4-only."""
+IPV6_PATHS = ("local", "cross")
+"""The paths run over IPv6: the NodePort ones."""
+IPV6_SUFFIX = "/ipv6"
+
+
+def family_path(path: str, family: int) -> str:
+    """The cells' path of ``path`` run over ``family``: ``local``, ``local/ipv6``."""
+    return path if family == 4 else f"{path}{IPV6_SUFFIX}"
+
+
+def split_family(path: str) -> tuple[str, int]:
+    """``family_path``'s inverse: ``local/ipv6`` -> (``local``, 6)."""
+    if path.endswith(IPV6_SUFFIX):
+        return path[: -len(IPV6_SUFFIX)], 6
+    return path, 4
 
 
 def family(workload: str) -> str:
@@ -290,6 +315,87 @@ def all_ratios(table: CellTable) -> list[Ratio]:
     return out
 
 
+# ---- IPv6 against IPv4 (issue 14) ---------------------------------------------------
+
+FAMILY_TOLERANCE = 0.10
+"""Issue 14: kpx's IPv6 ratios must be within 10% of its IPv4 ratios, same run."""
+RATES = ("req_per_s", "conn_per_s")
+CPU_PER_UNIT = ("rr_cpu_us", "cps_cpu_us")
+FAMILY_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("kpx", "haproxy", RATES + CPU_PER_UNIT),
+    ("kpx", "kernel", RATES),
+    ("kpx-nfq", "haproxy", RATES),
+    ("kpx-nfq", "kernel", RATES),
+)
+"""The rates of rr and cps (each workload's own figure) against both references, and, for
+the relay against HAProxy, the proxy's CPU per request and per connection: on 2 shared
+cores a rate moves with whatever else the machine does, the CPU a proxy spends per unit
+much less, so that pair says whether a rate's miss is kpx's or the machine's. (kpx-nfq
+spends next to no CPU per request: the kernel forwards.) Latency percentiles are in the
+per-path ratio table (``local/ipv6`` beside ``local``) but not judged here: a p99 over a
+few seconds moves more than 10% between two runs of the same family."""
+
+
+@dataclass
+class FamilyRatio:
+    """One ratio (``kpx/haproxy`` rr req/s on ``local``) over IPv4 and IPv6, and their
+    quotient, judged against ``FAMILY_TOLERANCE``."""
+
+    path: str
+    """The base path (``local``): IPv4 cells on it, IPv6 ones on ``local/ipv6``."""
+    name: str
+    workload: str
+    metric: str
+    ipv4: float | None
+    ipv6: float | None
+    value: float | None
+    """ipv6 / ipv4: 1.0 when kpx stands against its reference alike in both families."""
+    status: Literal["met", "missed", "not measured"]
+    reason: str | None = None
+
+
+def family_ratio(table: CellTable, path: str, metric: str, num: str, den: str,
+                 tolerance: float = FAMILY_TOLERANCE) -> FamilyRatio:
+    """``num/den`` on ``path`` over IPv6 divided by the same over IPv4.
+
+    Met within ``tolerance`` either way: an IPv6 ratio 10% *above* the IPv4
+    one is missed too, since it means the two families measured different
+    things (the issue asks for the same standing, not a better one).
+    """
+    r4 = ratio(table, path, metric, num, den)
+    r6 = ratio(table, family_path(path, 6), metric, num, den)
+    out = FamilyRatio(path, r4.name, r4.workload, metric, r4.value, r6.value, None,
+                      "not measured")
+    if r4.value is None or r6.value is None:
+        out.reason = "; ".join(f"{fam}: {r.reason}" for fam, r in (("IPv4", r4), ("IPv6", r6))
+                               if r.value is None)
+        return out
+    if r4.value == 0:
+        out.reason = f"IPv4 {r4.name} is zero"
+        return out
+    out.value = r6.value / r4.value
+    out.status = "met" if abs(out.value - 1.0) <= tolerance + 1e-12 else "missed"
+    return out
+
+
+def family_ratios(table: CellTable) -> list[FamilyRatio]:
+    """Every ``FAMILY_PAIRS`` pair and metric on every path that ran over IPv6,
+    where its subject (kpx, kpx-nfq) ran in either family: a contender not asked
+    for gets no rows."""
+    out = []
+    for p in table.paths():
+        if p is None or split_family(p)[1] != 6:
+            continue
+        base = split_family(p)[0]
+        for num, den, metrics in FAMILY_PAIRS:
+            for m in metrics:
+                wl = METRICS[m].workload
+                if not any(table.get(q, wl, num) is not None for q in (base, p)):
+                    continue
+                out.append(family_ratio(table, base, m, num, den))
+    return out
+
+
 # ---- targets -----------------------------------------------------------------------
 
 
@@ -400,6 +506,7 @@ def document(table: CellTable, *, meta: dict[str, Any], complete: bool) -> dict[
         "cells": [c.to_json() for c in table],
         "ratios": [asdict(r) for r in all_ratios(table)],
         "targets": [asdict(t) for t in evaluate_targets(table)],
+        "family_ratios": [asdict(f) for f in family_ratios(table)],
     }
 
 
@@ -485,4 +592,10 @@ def validate(doc: Any) -> list[str]:
     for i, t in enumerate(doc["targets"]):
         if not isinstance(t, dict) or t.get("status") not in ("met", "missed", "not measured"):
             out.append(f"$.targets[{i}]: malformed")
+    # Absent from files written before issue 14; when present, well formed.
+    for i, f in enumerate(doc.get("family_ratios", [])):
+        if not isinstance(f, dict) or f.get("status") not in ("met", "missed", "not measured"):
+            out.append(f"$.family_ratios[{i}]: malformed")
+        elif f["value"] is None and not f.get("reason"):
+            out.append(f"$.family_ratios[{i}]: no value and no reason")
     return out

@@ -15,6 +15,11 @@ Order of work, and why:
   round 2, and so on. Interleaving means slow drift of a shared machine
   (other tenants, thermal) spreads over all contenders instead of landing on
   whichever ran last, which is what keeps the ratios honest;
+- then, with ``--families 4,6``, each contender's IPv4 start and then its
+  IPv6 start (rr and cps, on the NodePort paths): the two families of one
+  contender run back to back within a round, so the IPv6/IPv4 ratio of
+  ratios compares figures taken minutes, not a whole run, apart. IPv6 cells
+  are on their own path (``local/ipv6``);
 - each contender is started fresh for its round and stopped after it, so
   only the one being measured is running (and kpx's mem figure starts from
   a fresh process);
@@ -58,7 +63,18 @@ from bench.contenders import (
 )
 from bench.control import ControlSettings, run_control
 from bench.procs import cpu_seconds, machine_jiffies, nofile_hard_limit
-from bench.results import CellTable, Run, all_ratios, document, evaluate_targets, write
+from bench.results import (
+    IPV6_PATHS,
+    IPV6_WORKLOADS,
+    CellTable,
+    Run,
+    all_ratios,
+    document,
+    evaluate_targets,
+    family_path,
+    family_ratios,
+    write,
+)
 from bench.topology import Topology
 from bench.workloads import WORKLOAD_FUNCS, Settings
 
@@ -73,6 +89,9 @@ class Config:
                                                           "control"])
     contenders: list[str] = field(default_factory=lambda: ["direct", "kernel", "haproxy",
                                                            "naive", "kpx", "kpx-w2"])
+    families: list[int] = field(default_factory=lambda: [4])
+    """Address families of the data-path runs: IPv6 runs ``IPV6_WORKLOADS`` on
+    ``IPV6_PATHS``; everything else (and control) is IPv4."""
     out: Path = Path("bench/results")
     kpx: str = "kpx"
     etp: str = "Cluster"
@@ -254,7 +273,7 @@ class Bench:
         self.charts: list[str] = []
         self.started = dt.datetime.now(dt.UTC)
         self.stamp = self.started.strftime("%Y%m%d-%H%M%S")
-        self.topo = Topology.for_this_process()
+        self.topo = Topology.for_this_process(ipv6=6 in cfg.families)
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"kpx-bench-{self.stamp}-"))
         self.machine = machine_info()
         self.availability: dict[str, dict[str, Any]] = {}
@@ -266,15 +285,24 @@ class Bench:
     def data_workloads(self) -> list[str]:
         return [w for w in self.cfg.workloads if w in WORKLOAD_FUNCS]
 
+    def families_of(self, path: str) -> list[int]:
+        """The families ``path`` runs over (IPv6 only on the NodePort paths)."""
+        return [f for f in self.cfg.families if f == 4 or path in IPV6_PATHS]
+
+    def workloads_of(self, path: str, family: int) -> list[str]:
+        """The data workloads of ``path`` over ``family``, in run order."""
+        return [w for w in self.data_workloads()
+                if (w != "mem" or path in self.cfg.mem_paths)
+                and (family == 4 or w in IPV6_WORKLOADS)]
+
     def _planned_steps(self, available: set[str] | None = None) -> int:
         """Measured runs still to come (rows the live table will print)."""
         names = [c for c in self.cfg.contenders if available is None or c in available]
         n = 0
         for path in self.cfg.paths:
-            for w in self.data_workloads():
-                if w == "mem" and path not in self.cfg.mem_paths:
-                    continue
-                n += self.cfg.runs * sum(1 for c in names if serves(c, w) is None)
+            for fam in self.families_of(path):
+                for w in self.workloads_of(path, fam):
+                    n += self.cfg.runs * sum(1 for c in names if serves(c, w) is None)
         if "control" in self.cfg.workloads:
             cs = self.cfg.control
             n += self.cfg.runs * len(control_contenders(names)) * (
@@ -290,12 +318,11 @@ class Bench:
         per_run["udp"] = s.duration("udp") + s.pause + 1.5  # + the WHO probe and warm-up
         total = 0.0
         for path in self.cfg.paths:
-            for w in self.data_workloads():
-                if w == "mem" and path not in self.cfg.mem_paths:
-                    continue
-                k = sum(1 for c in self.cfg.contenders if serves(c, w) is None)
-                total += self.cfg.runs * k * per_run[w]
-            total += self.cfg.runs * len(self.cfg.contenders) * 1.0  # start/stop
+            for fam in self.families_of(path):
+                for w in self.workloads_of(path, fam):
+                    k = sum(1 for c in self.cfg.contenders if serves(c, w) is None)
+                    total += self.cfg.runs * k * per_run[w]
+                total += self.cfg.runs * len(self.cfg.contenders) * 1.0  # start/stop
         if "control" in self.cfg.workloads:
             cs = self.cfg.control
             total += self.cfg.runs * len(control_contenders(self.cfg.contenders)) * (
@@ -342,10 +369,13 @@ class Bench:
         aborted: str | None = None
         contenders: list[Contender] = []
         udp = "udp" in self.data_workloads()
-        backends = Backends(self.topo, self.log_dir, udp=udp)
+        backends = Backends(self.topo, self.log_dir, udp=udp, ipv6=self.topo.ipv6)
         try:
+            fams = "" if self.cfg.families == [4] else \
+                f"families {','.join(f'IPv{f}' for f in self.cfg.families)}, "
             out.write(f"kpx bench: {'quick' if self.cfg.quick else 'full'} run, "
                       f"{self.cfg.runs} run(s) per cell, paths {','.join(self.cfg.paths)}, "
+                      f"{fams}"
                       f"about {self.estimate_seconds() / 60:.0f} min; "
                       f"namespaces {self.topo.prefix}*, logs {self.log_dir}\n")
             d.step("building namespaces")
@@ -397,53 +427,67 @@ class Bench:
 
     def run_path(self, path: str, contenders: list[Contender]) -> None:
         cfg = self.cfg
-        workloads = [w for w in self.data_workloads()
-                     if w != "mem" or path in cfg.mem_paths]
-        mine: dict[str, list[str]] = {}  # the workloads each contender takes part in
+        families = self.families_of(path)
+        # The workloads each contender takes part in, per family.
+        mine: dict[tuple[str, int], list[str]] = {}
         for c in contenders:
             avail = self.availability[c.name]
-            mine[c.name] = []
-            for w in workloads:
-                why_not = c.serves(w)
-                if not avail["available"]:
-                    self.table.mark(path, w, c.name, "unavailable", avail["reason"])
-                elif why_not:
-                    self.table.mark(path, w, c.name, "n/a", why_not)
-                else:
-                    mine[c.name].append(w)
+            for fam in families:
+                cell_path = family_path(path, fam)
+                mine[c.name, fam] = []
+                for w in self.workloads_of(path, fam):
+                    why_not = c.serves(w)
+                    if not avail["available"]:
+                        self.table.mark(cell_path, w, c.name, "unavailable", avail["reason"])
+                    elif why_not:
+                        self.table.mark(cell_path, w, c.name, "n/a", why_not)
+                    else:
+                        mine[c.name, fam].append(w)
         for rnd in range(cfg.runs):
             for c in contenders:
-                # Not started at all when none of its workloads runs (haproxy for udp alone).
-                if not self.availability[c.name]["available"] or not mine[c.name]:
-                    continue
-                self.display.step(f"{path}: round {rnd + 1}/{cfg.runs}: starting {c.name}")
-                try:
-                    c.start(path)
-                    c.verify()
-                except ContenderError as e:
-                    c.stop()
-                    self.check_residue(c.name)
-                    for w in mine[c.name]:
-                        self.record(path, w, c.name, rnd, Run.failed(f"start: {e}"))
-                    continue
-                try:
-                    for w in mine[c.name]:
-                        self.display.step(f"{path}: round {rnd + 1}/{cfg.runs}: {c.name} {w}"
-                                          f" (pause {cfg.settings.pause:g}s)")
-                        time.sleep(cfg.settings.pause)
-                        t0 = time.monotonic()
-                        usage = CpuUsage.start(c)
-                        run = WORKLOAD_FUNCS[w](self.topo, c, cfg.settings)
-                        usage.finish(w, run)
-                        run.detail["wall_s"] = round(time.monotonic() - t0, 2)
-                        capped = run.detail.get("capped")
-                        if capped and f"mem: {capped}" not in self.notes:
-                            self.notes.append(f"mem: {capped}")
-                        self.record(path, w, c.name, rnd, run)
-                finally:
-                    c.stop()
-                    self.check_residue(c.name)
-                self.save(False)
+                for fam in families:
+                    # Not started at all when none of its workloads runs (haproxy for udp alone).
+                    if not self.availability[c.name]["available"] or not mine[c.name, fam]:
+                        continue
+                    c.family = fam
+                    try:
+                        self.run_contender(path, fam, rnd, c, mine[c.name, fam])
+                    finally:
+                        c.family = 4
+
+    def run_contender(self, path: str, fam: int, rnd: int, c: Contender,
+                      workloads: list[str]) -> None:
+        """One start of ``c`` over ``fam``: its ``workloads``, then stop and check node1."""
+        cfg = self.cfg
+        cell_path = family_path(path, fam)
+        where = f"{cell_path}: round {rnd + 1}/{cfg.runs}"
+        self.display.step(f"{where}: starting {c.name}")
+        try:
+            c.start(path)
+            c.verify()
+        except ContenderError as e:
+            c.stop()
+            self.check_residue(c.name)
+            for w in workloads:
+                self.record(cell_path, w, c.name, rnd, Run.failed(f"start: {e}"))
+            return
+        try:
+            for w in workloads:
+                self.display.step(f"{where}: {c.name} {w} (pause {cfg.settings.pause:g}s)")
+                time.sleep(cfg.settings.pause)
+                t0 = time.monotonic()
+                usage = CpuUsage.start(c)
+                run = WORKLOAD_FUNCS[w](self.topo, c, cfg.settings)
+                usage.finish(w, run)
+                run.detail["wall_s"] = round(time.monotonic() - t0, 2)
+                capped = run.detail.get("capped")
+                if capped and f"mem: {capped}" not in self.notes:
+                    self.notes.append(f"mem: {capped}")
+                self.record(cell_path, w, c.name, rnd, run)
+        finally:
+            c.stop()
+            self.check_residue(c.name)
+        self.save(False)
 
     def check_residue(self, name: str) -> None:
         """Leave node1 as the next contender expects it, and say so if we had to."""
@@ -510,6 +554,11 @@ class Bench:
         out.write(report.ratio_table(doc_ratios) + "\n")
         out.write("\n== issue 5 targets ==\n")
         out.write(report.target_table(doc_targets) + "\n")
+        fam_rows = family_ratios(self.table)
+        if fam_rows:
+            out.write("\n== IPv6 against IPv4, same run (issue 14: kpx's IPv6 ratios within "
+                      "10% of its IPv4 ones) ==\n")
+            out.write(report.family_table(fam_rows) + "\n")
         out.write("\n")
         for n in self.notes:
             out.write(f"note: {n}\n")

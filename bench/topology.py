@@ -60,6 +60,19 @@ POD2_IP = "10.90.4.2"
 SERVICE_VIP = "10.96.0.10"
 """The bench service's ClusterIP (``k8s_state.cluster_ip(0)``: it is rendered first)."""
 
+CLIENT_IP6 = "fd00:90:1::2"
+NODE1_IP6 = "fd00:90:1::1"  # node1's IPv6 InternalIP: where IPv6 NodePorts are reached
+NODE1_POD_GW6 = "fd00:90:2::1"
+POD1_IP6 = "fd00:90:2::2"
+POD1_ALT_IP6 = "fd00:90:2::3"
+NODE1_LINK_IP6 = "fd00:90:3::1"
+NODE2_IP6 = "fd00:90:3::2"
+NODE2_POD_GW6 = "fd00:90:4::1"
+POD2_IP6 = "fd00:90:4::2"
+SERVICE_VIP6 = "fd00:96::a"
+"""The bench service's IPv6 ClusterIP in the dual-stack state of an IPv6 run (the
+clusterip path is not run over IPv6: only the NodePort paths are)."""
+
 # Node ephemeral ports stay above every port a proxy listens on (bench ports
 # 30000-31999, control NodePorts 20000-29999), so an upstream connect can never
 # take a port a listener is about to bind.
@@ -103,6 +116,31 @@ def base_sysctls(role: str) -> dict[str, str]:
         # route lookup instead (every proxy alike) and forwarding is untouched.
         s["net.ipv4.tcp_early_demux"] = "0"
     return s
+
+
+def ipv6_sysctls(role: str) -> dict[str, str]:
+    """What an IPv6-capable bench namespace adds to ``base_sysctls``.
+
+    IPv6 TCP shares the ``net.ipv4.tcp_*`` and ``ip_local_port_range``
+    settings above (and early demux), so only forwarding is new: on in the
+    nodes, which route between client, pods and each other. IPv6 has no
+    rp_filter. ``disable_ipv6=0`` is written so a host that turns IPv6 off by
+    default fails here, clearly, rather than at the first address.
+    """
+    s = {"net.ipv6.conf.all.disable_ipv6": "0", "net.ipv6.conf.default.disable_ipv6": "0"}
+    if role.startswith("node"):
+        s["net.ipv6.conf.all.forwarding"] = "1"
+    return s
+
+
+def host_port(ip: str, port: int) -> str:
+    """``ip:port``, with an IPv6 address in brackets (URLs, HAProxy, naive's specs)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def ip_family(ip: str) -> int:
+    """4 or 6: which family an address (as the bench writes them) belongs to."""
+    return 6 if ":" in ip else 4
 
 
 class CommandError(RuntimeError):
@@ -167,15 +205,17 @@ class Topology:
     """Five namespaces named ``<prefix><role>``; ``create`` builds, ``destroy`` removes."""
 
     prefix: str
+    ipv6: bool = False
+    """Also give every namespace its IPv6 (ULA) addresses and routes (see the module)."""
     sysctls: dict[str, dict[str, str]] = field(default_factory=dict)
     created: list[str] = field(default_factory=list)
     _threads: dict[str, NsThread] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def for_this_process(cls) -> Topology:
+    def for_this_process(cls, ipv6: bool = False) -> Topology:
         """The prefix the brief mandates: ``kb<pid%1000>-``."""
-        return cls(prefix=f"kb{os.getpid() % 1000}-")
+        return cls(prefix=f"kb{os.getpid() % 1000}-", ipv6=ipv6)
 
     def ns(self, role: str) -> str:
         return f"{self.prefix}{role}"
@@ -266,6 +306,31 @@ class Topology:
         self.ip("node1", "route", "add", "10.90.4.0/24", "via", NODE2_IP)
         self.ip("node2", "route", "add", "10.90.1.0/24", "via", NODE1_LINK_IP)
         self.ip("node2", "route", "add", "10.90.2.0/24", "via", NODE1_LINK_IP)
+        if self.ipv6:
+            self.create_ipv6()
+
+    def create_ipv6(self) -> None:
+        """The IPv6 twin of every address and route ``create`` made (links already up)."""
+        for role in ROLES:
+            self.set_sysctls(role, ipv6_sysctls(role))
+        for role, dev, ip in (
+            ("client", "eth0", CLIENT_IP6),
+            ("node1", "c0", NODE1_IP6),
+            ("node1", "p0", NODE1_POD_GW6),
+            ("pod1", "eth0", POD1_IP6),
+            ("pod1", "eth0", POD1_ALT_IP6),
+            ("node1", "n2", NODE1_LINK_IP6),
+            ("node2", "n1", NODE2_IP6),
+            ("node2", "p0", NODE2_POD_GW6),
+            ("pod2", "eth0", POD2_IP6),
+        ):
+            self.ip(role, "-6", "addr", "add", f"{ip}/64", "dev", dev, "nodad")
+        self.ip("client", "-6", "route", "add", "default", "via", NODE1_IP6)
+        self.ip("pod1", "-6", "route", "add", "default", "via", NODE1_POD_GW6)
+        self.ip("pod2", "-6", "route", "add", "default", "via", NODE2_POD_GW6)
+        self.ip("node1", "-6", "route", "add", "fd00:90:4::/64", "via", NODE2_IP6)
+        self.ip("node2", "-6", "route", "add", "fd00:90:1::/64", "via", NODE1_LINK_IP6)
+        self.ip("node2", "-6", "route", "add", "fd00:90:2::/64", "via", NODE1_LINK_IP6)
 
     def conntrack_sysctls(self) -> None:
         """Keep the kernel contender's conntrack table from filling during cps.
@@ -283,6 +348,11 @@ class Topology:
         if probe.returncode == 0:
             self.set_sysctls("node1", {key: CONNTRACK_TIME_WAIT})
 
+    def _rule_families(self) -> tuple[tuple[str, ...], ...]:
+        """``ip`` argument prefixes for policy rules: IPv4, and IPv6 when it is set up
+        (a transparent IPv6 proxy adds an ``ip -6`` rule, as the IPv4 one does)."""
+        return ((), ("-6",)) if self.ipv6 else ((),)
+
     def node1_residue(self) -> list[str]:
         """nft tables and policy rules left in node1 (by a contender that did not clean up).
 
@@ -293,25 +363,30 @@ class Topology:
         out = []
         tables = self.run("node1", ["nft", "list", "tables"], check=False).stdout
         out += [f"nft {t.strip()}" for t in tables.splitlines() if t.strip()]
-        rules = self.ip("node1", "rule", "show", check=False).stdout
-        for line in rules.splitlines():
-            pref = line.split(":", 1)[0].strip()
-            if pref not in ("0", "32766", "32767"):
-                out.append(f"ip rule {line.strip()}")
+        for fam in self._rule_families():
+            rules = self.ip("node1", *fam, "rule", "show", check=False).stdout
+            for line in rules.splitlines():
+                pref = line.split(":", 1)[0].strip()
+                if pref not in ("0", "32766", "32767"):
+                    out.append(f"ip {' '.join((*fam, 'rule'))} {line.strip()}")
         return out
 
     def reset_node1(self) -> None:
         """Remove every nft table and non-default policy rule in node1 (ours alone)."""
         self.run("node1", ["nft", "flush", "ruleset"], check=False)
-        rules = self.ip("node1", "rule", "show", check=False).stdout
-        for line in rules.splitlines():
-            pref = line.split(":", 1)[0].strip()
-            if pref.isdigit() and pref not in ("0", "32766", "32767"):
-                self.ip("node1", "rule", "del", "pref", pref, check=False)
+        for fam in self._rule_families():
+            rules = self.ip("node1", *fam, "rule", "show", check=False).stdout
+            for line in rules.splitlines():
+                pref = line.split(":", 1)[0].strip()
+                if pref.isdigit() and pref not in ("0", "32766", "32767"):
+                    self.ip("node1", *fam, "rule", "del", "pref", pref, check=False)
 
-    def check_reachability(self, port: int, dsts: Iterable[str] = (POD1_IP, POD2_IP),
+    def check_reachability(self, port: int, dsts: Iterable[str] | None = None,
                            timeout: float = 3.0) -> None:
-        """Fail early and clearly if the routed paths do not work (TCP, no ping needed)."""
+        """Fail early and clearly if the routed paths do not work (TCP, no ping needed):
+        both pods, and their IPv6 addresses too when the topology has them."""
+        if dsts is None:
+            dsts = (POD1_IP, POD2_IP, *((POD1_IP6, POD2_IP6) if self.ipv6 else ()))
 
         def probe(dst: str) -> str | None:
             try:
@@ -341,7 +416,12 @@ class Topology:
 
     def describe(self) -> dict[str, object]:
         """The topology as recorded in the results file."""
+        ipv6 = {"ipv6": {"client": CLIENT_IP6, "node1": NODE1_IP6, "pod1": POD1_IP6,
+                         "pod1_alt": POD1_ALT_IP6, "node2": NODE2_IP6, "pod2": POD2_IP6,
+                         "paths": "local and cross, as IPv4 (ULA /64s, nodad)"}
+                } if self.ipv6 else {}
         return {
+            **ipv6,
             "namespaces": self.namespaces,
             "client": CLIENT_IP,
             "node1": NODE1_IP,
@@ -367,25 +447,37 @@ TCP_STATES = {
 
 
 def read_tcp_table() -> list[tuple[int, int, str]]:
-    """(local port, remote port, state) of every IPv4 TCP socket in the calling thread's netns.
+    """(local port, remote port, state) of every TCP socket, IPv4 and IPv6, in the calling
+    thread's netns.
 
     Run through ``NsThread.call``; ``/proc/thread-self`` resolves to the
-    namespace of the thread, not of the process.
+    namespace of the thread, not of the process. IPv6 sockets are in
+    ``tcp6`` (absent when the kernel has no IPv6): an IPv6 run's TIME_WAIT
+    and backend connections are counted like an IPv4 run's.
     """
     out: list[tuple[int, int, str]] = []
-    with open("/proc/thread-self/net/tcp", encoding="ascii") as f:
-        next(f, None)
-        for line in f:
-            parts = line.split(None, 4)
-            if len(parts) < 4:
-                continue
-            lport = int(parts[1].rsplit(":", 1)[1], 16)
-            rport = int(parts[2].rsplit(":", 1)[1], 16)
-            out.append((lport, rport, TCP_STATES.get(parts[3], parts[3])))
+    for name in ("tcp", "tcp6"):
+        try:
+            f = open(f"/proc/thread-self/net/{name}", encoding="ascii")  # noqa: SIM115
+        except FileNotFoundError:
+            if name == "tcp":
+                raise
+            continue
+        with f:
+            next(f, None)
+            for line in f:
+                parts = line.split(None, 4)
+                if len(parts) < 4:
+                    continue
+                lport = int(parts[1].rsplit(":", 1)[1], 16)
+                rport = int(parts[2].rsplit(":", 1)[1], 16)
+                out.append((lport, rport, TCP_STATES.get(parts[3], parts[3])))
     return out
 
 
 _LISTEN_RE = re.compile(rb"^\s*\d+: [0-9A-F]{8}:([0-9A-F]{4}) [0-9A-F]{8}:[0-9A-F]{4} 0A ", re.M)
+_LISTEN6_RE = re.compile(rb"^\s*\d+: [0-9A-F]{32}:([0-9A-F]{4}) [0-9A-F]{32}:[0-9A-F]{4} 0A ",
+                         re.M)
 
 # sock_diag (linux/sock_diag.h, linux/inet_diag.h, linux/netlink.h).
 _NETLINK_SOCK_DIAG = 4
@@ -399,8 +491,8 @@ _DIAG_REQ = struct.Struct("=BBBxI48x")  # inet_diag_req_v2, with an all-zero ine
 _SPORT = _NLMSG_HDR.size + 4  # inet_diag_msg: family, state, timer, retrans, then sport (BE)
 
 
-def listening_ports() -> set[int]:
-    """Ports with an IPv4 listener in the calling thread's netns.
+def listening_ports(family: int = 4) -> set[int]:
+    """Ports with an IPv4 listener (``family=6``: an IPv6 one) in the calling thread's netns.
 
     Asked of the kernel with one sock_diag dump of LISTEN sockets only: the
     control workload polls this while kpx opens 10,000+ listeners, so the
@@ -411,21 +503,23 @@ def listening_ports() -> set[int]:
     second for pyroute2's ``DiagSocket``, which decodes every attribute.
     """
     try:
-        return _diag_listening_ports()
+        return _diag_listening_ports(family)
     except OSError:
-        return _proc_listening_ports()
+        return _proc_listening_ports(family)
 
 
-def _proc_listening_ports() -> set[int]:
-    with open("/proc/thread-self/net/tcp", "rb") as f:
+def _proc_listening_ports(family: int = 4) -> set[int]:
+    name, pattern = ("tcp6", _LISTEN6_RE) if family == 6 else ("tcp", _LISTEN_RE)
+    with open(f"/proc/thread-self/net/{name}", "rb") as f:
         data = f.read()
-    return {int(m, 16) for m in _LISTEN_RE.findall(data)}
+    return {int(m, 16) for m in pattern.findall(data)}
 
 
-def _diag_listening_ports() -> set[int]:
+def _diag_listening_ports(family: int = 4) -> set[int]:
     # Made per call: a socket belongs to the netns of the thread that made it.
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as nl:
-        req = _DIAG_REQ.pack(socket.AF_INET, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN)
+        req = _DIAG_REQ.pack(af, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN)
         nl.send(_NLMSG_HDR.pack(_NLMSG_HDR.size + len(req), _SOCK_DIAG_BY_FAMILY,
                                 _NLM_F_REQUEST_DUMP, 1, 0) + req)
         ports: set[int] = set()

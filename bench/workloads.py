@@ -37,7 +37,14 @@ from bench.contenders import Contender, ContenderError, Kernel
 from bench.parsers import ParseError, parse_iperf3, parse_wrk
 from bench.procs import nofile_hard_limit, raise_nofile, rss_bytes
 from bench.results import Run
-from bench.topology import CommandError, Topology, count_states, read_tcp_table, sh
+from bench.topology import (
+    CommandError,
+    Topology,
+    count_states,
+    host_port,
+    read_tcp_table,
+    sh,
+)
 from lab.common import poll
 
 MEM_FD_RESERVE = 300
@@ -202,7 +209,7 @@ def _wrk(topo: Topology, c: Contender, s: Settings, workload: str) -> Run:
             "--timeout", s.wrk_timeout]
     if workload == "cps":
         argv += ["-H", "Connection: close"]
-    argv.append(f"http://{t.ip}:{t.http_port}/")
+    argv.append(f"http://{host_port(t.ip, t.http_port)}/")
     try:
         cp = _client(topo, c, argv, secs + 60)
     except CommandError as e:
