@@ -381,6 +381,12 @@ class Lab(Traffic, Pods):
         """healthCheckNodePort of a service; 0 if it has none (not LoadBalancer+Local)."""
         return int(self.service(key)["spec"].get("healthCheckNodePort", 0))
 
+    @property
+    def localhost(self) -> str:
+        """The loopback address a node reaches its own NodePorts on: IPv4's (IPv6's ``::1``
+        serves none, as in iptables mode)."""
+        return "127.0.0.1"
+
     def cluster_ip(self, key: str, family: int = 4) -> str:
         """The service's ClusterIP of ``family`` (allocated from ``cluster.serviceCIDR``, or
         the IPv6 service range, unless given); "" if it has none of that family."""

@@ -257,7 +257,6 @@ def test_a_pod_on_a_node_without_the_endpoint_is_dropped_by_a_local_policy_clust
                    control=(lab.cluster_ip("default/open"), 80))
 
 
-@over_both_families
 def test_a_pod_on_the_endpoints_node_reaches_a_local_policy_cluster_ip(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service(itp="Local")))
@@ -269,7 +268,6 @@ def test_a_pod_on_the_endpoints_node_reaches_a_local_policy_cluster_ip(
 # ------------------------------------------------------------------ 2. node -> ClusterIP
 
 
-@over_both_families
 def test_a_node_process_is_dropped_by_a_local_policy_cluster_ip_without_a_local_endpoint(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service("web", itp="Local"),
@@ -318,7 +316,6 @@ def test_a_cluster_ip_port_nobody_declares_is_refused_at_once(lab_factory: LabFa
     assert syn_probe(lab.ns("c2"), (cip, 81), (cip, 80)) == ["rst", "synack"]
 
 
-@over_both_families
 def test_a_cluster_ip_service_without_endpoints_is_refused_at_once(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service(), cluster_ip_service("empty",
@@ -341,7 +338,6 @@ def test_a_cross_node_cluster_ip_hop_keeps_the_source_pods_ip(lab_factory: LabFa
     assert peer_ip(reply) == lab.pod_ip("c2"), f"the backend saw {reply['peer']}"
 
 
-@over_both_families
 def test_a_pod_reaching_itself_through_its_service_sees_a_node_address(
         lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service()))

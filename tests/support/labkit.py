@@ -244,8 +244,9 @@ class FamilyLab:
 
     @property
     def localhost(self) -> str:
-        """The loopback address of this family: ``::1`` is never a NodePort (iptables mode)."""
-        return "::1" if self.family == 6 else "127.0.0.1"
+        """This family's loopback address: over IPv6 ``::1``, which is never a NodePort
+        (iptables mode), so the verdict tests expect it refused."""
+        return "::1" if self.family == 6 else self.lab.localhost
 
     def socket(self, src: str, family: int | None = None,
                type: int = socket.SOCK_STREAM) -> Any:
