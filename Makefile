@@ -28,7 +28,8 @@ down: $(STAMP)
 	$(KPX) lab down
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 tests/unit
+	$(PY) -m pytest -q --ignore=tests/unit
 
 # ruff, then the import contracts in pyproject.toml: the pure core imports no
 # I/O or shell, healthz nothing of proxy, lab and bench neither.

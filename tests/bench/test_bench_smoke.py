@@ -91,7 +91,7 @@ def test_every_contender_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
         quick=True, runs=1, paths=["local"], mem_paths=["local"],
         workloads=["bulk", "rr", "cps", "mem"], contenders=list(CONTENDER_ORDER),
         out=tmp_path, kpx=kpx_executable(),
-        settings=Settings(durations={"bulk": 1.0, "rr": 2.0, "cps": 2.0}, pause=0.2,
+        settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0}, pause=0.2,
                           mem_connections=200, mem_settle=0.2),
     )
     doc, table, text = run_bench(cfg)

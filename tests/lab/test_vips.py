@@ -306,7 +306,6 @@ def dropped(lab: Lab, node: str, family: int = 4) -> int:
 # ------------------------------------------------------------------ 3. refused
 
 
-@over_both_families
 def test_a_cluster_ip_port_nobody_declares_is_refused_at_once(lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service()))
     cip = lab.cluster_ip("default/web")
@@ -330,7 +329,6 @@ def test_a_cluster_ip_service_without_endpoints_is_refused_at_once(
 # ------------------------------------------------------------------ 4. source addresses
 
 
-@over_both_families
 def test_a_cross_node_cluster_ip_hop_keeps_the_source_pods_ip(lab_factory: LabFactory) -> None:
     lab = up(lab_factory, vip_spec(cluster_ip_service()))
     reply = lab.request("c2", lab.cluster_ip("default/web"), 80)
