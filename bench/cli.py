@@ -148,6 +148,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "socat for udp)")
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``kpx bench``'s arguments parsed on their own, as the CLI would (tools, tests)."""
+    parser = argparse.ArgumentParser(prog="kpx bench")
+    configure(parser)
+    return parser.parse_args(argv)
+
+
 def build_config(args: argparse.Namespace) -> Config:
     """Flags -> Config; quick and full differ only in defaults, explicit flags win."""
     q = bool(args.quick)

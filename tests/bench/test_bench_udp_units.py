@@ -37,9 +37,7 @@ from bench.workloads import Settings
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    cli.configure(p)
-    return p.parse_args(list(argv))
+    return cli.parse(list(argv))
 
 
 # ---- statistics --------------------------------------------------------------------

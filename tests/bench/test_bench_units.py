@@ -16,9 +16,7 @@ from bench.workloads import MEM_FD_RESERVE, Settings
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    cli.configure(p)
-    return p.parse_args(list(argv))
+    return cli.parse(list(argv))
 
 
 # ---- state files -------------------------------------------------------------------

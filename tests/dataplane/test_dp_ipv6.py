@@ -112,14 +112,7 @@ REMOTE = (POD2_6, "n2")
 
 def connect6(ns: str, addr: tuple[str, int], timeout: float = 2.0) -> socket.socket:
     """An IPv6 TCP connection from namespace ``ns``."""
-    s = in_netns(ns, socket.socket, socket.AF_INET6, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(addr)
-    except BaseException:
-        s.close()
-        raise
-    return s
+    return connect_in(ns, addr, timeout)
 
 
 def peer(ns: str, addr: tuple[str, int], timeout: float = 3.0) -> tuple[str, str]:

@@ -79,12 +79,13 @@ def in_fresh_netns(tag: str, fn, *args):
         subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
 
 
-def socket_in(ns: str) -> socket.socket:
-    return in_netns(ns, socket.socket, socket.AF_INET, socket.SOCK_STREAM)
+def socket_in(ns: str, family: int = socket.AF_INET) -> socket.socket:
+    return in_netns(ns, socket.socket, family, socket.SOCK_STREAM)
 
 
 def connect_in(ns: str, addr: tuple[str, int], timeout: float = 2.0) -> socket.socket:
-    s = socket_in(ns)
+    """A TCP connection from namespace ``ns``, of the family ``addr`` is in."""
+    s = socket_in(ns, socket.AF_INET6 if ":" in addr[0] else socket.AF_INET)
     s.settimeout(timeout)
     try:
         s.connect(addr)

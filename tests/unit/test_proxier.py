@@ -191,7 +191,10 @@ def test_no_local_endpoints_gauge_counts_clusterips_that_drop_for_itp_local() ->
     assert sample(DROPPING, traffic_policy="internal", ip_family="IPv4") == 0
 
 
-def _dual_state(node_ips: tuple[str, ...], generation: int = 1):  # type: ignore[no-untyped-def]
+def _dual_state(node_ips: tuple[str, ...], generation: int = 1,  # type: ignore[no-untyped-def]
+                v6_node: str = "node-a"):
+    """A PreferDualStack eTP=Local LB service: one IPv4 endpoint on node-a, two IPv6 ones
+    on ``v6_node``; node-a has ``node_ips``."""
     from proxy.k8s import parse_state
     from tests.support.objects import endpoint_slice, node, service, state_yaml
 
@@ -201,7 +204,7 @@ def _dual_state(node_ips: tuple[str, ...], generation: int = 1):  # type: ignore
                 cluster_ip="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"],
                 ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="PreferDualStack"),
         endpoint_slice("web", ("10.1.0.1", "node-a"), name="web-4"),
-        endpoint_slice("web", ("fd00:1::1", "node-a"), ("fd00:1::2", "node-a"), name="web-6",
+        endpoint_slice("web", ("fd00:1::1", v6_node), ("fd00:1::2", v6_node), name="web-6",
                        address_type="IPv6"),
     ), generation)
 
@@ -254,18 +257,8 @@ def test_sync_metrics_carry_each_family_it_programmed() -> None:
     the IPv6 family drops eTP=Local traffic. When the node loses IPv6 its
     IPv6 gauge goes to 0 rather than freezing, and its sync count stops.
     """
-    from proxy.k8s import parse_state
-    from tests.support.objects import endpoint_slice, node, service, state_yaml
-
     def state(ips: tuple[str, ...], generation: int):  # type: ignore[no-untyped-def]
-        return parse_state(state_yaml(
-            node("node-a", *ips),
-            service("web", 30080, type="LoadBalancer", etp="Local", hc_port=32000,
-                    cluster_ip="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"],
-                    ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="PreferDualStack"),
-            endpoint_slice("web", ("10.1.0.1", "node-a"), name="web-4"),
-            endpoint_slice("web", ("fd00:1::1", "node-b"), name="web-6", address_type="IPv6"),
-        ), generation)
+        return _dual_state(ips, generation, v6_node="node-b")
 
     runs = "kubeproxy_sync_proxy_rules_duration_seconds_count"
     v4_runs, v6_runs = sample(runs, ip_family="IPv4"), sample(runs, ip_family="IPv6")
