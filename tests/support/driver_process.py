@@ -71,27 +71,21 @@ async def main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     state = Path(args.state)
     status = Path(args.status)
-    # --vips: service VIPs served, each family's by its own dataplane, as kpx node does.
-    dp = Dataplane(
-        loop=loop,
-        transparent=args.transparent,
-        connect_timeout=args.connect_timeout,
-        max_connections=args.max_connections,
-        retry_interval=args.retry_interval,
-        local_vips=LocalVIPs() if args.vips else None,
-        cluster_cidrs=args.cluster_cidr,
-    )
-    # --ipv6: the IPv6 family's dataplane beside it, as ``kpx node`` runs one per family.
-    dp6 = Dataplane(
-        loop=loop,
-        transparent=args.transparent,
-        connect_timeout=args.connect_timeout,
-        max_connections=args.max_connections,
-        retry_interval=args.retry_interval,
-        family=6,
-        local_vips=LocalVIPs(family=6) if args.vips else None,
-        cluster_cidrs=args.cluster_cidr,
-    ) if args.ipv6 else None
+    def dataplane(family: int) -> Dataplane:
+        """One family's dataplane, as ``kpx node`` runs one per family (--vips: its VIPs too)."""
+        return Dataplane(
+            loop=loop,
+            transparent=args.transparent,
+            connect_timeout=args.connect_timeout,
+            max_connections=args.max_connections,
+            retry_interval=args.retry_interval,
+            family=family,
+            local_vips=LocalVIPs(family=family) if args.vips else None,
+            cluster_cidrs=args.cluster_cidr,
+        )
+
+    dp = dataplane(4)
+    dp6 = dataplane(6) if args.ipv6 else None  # --ipv6: the IPv6 family's beside it
     config = dataclasses.replace(sync_config(args.node, args.nodeport_cidrs), vips=args.vips)
     proxier = Proxier(config, dataplane=dp, dataplane6=dp6)
     extra: dict[str, object] = {"pid": os.getpid()}
