@@ -42,8 +42,10 @@ IPv6: an address with a colon makes an ``AF_INET6`` socket with
 ``IPV6_V6ONLY`` (``::`` is every local IPv6 address, never IPv4's too: the
 IPv4 dataplane has its own ``0.0.0.0`` socket with its own plans). The
 IPv6 wildcard never serves ``::1``, as iptables mode has no IPv6 localhost
-NodePorts: a connection from ``::1`` whose local address is ``::1`` is
-reset at accept, which is what the client of a port nobody serves gets.
+NodePorts. In ``kpx node`` the ``ip6 kpx_vips`` guard refuses such a SYN
+before it gets here (``proxy.userspace.vips``); a dataplane without that
+guard (a library user, the test driver) still resets, at accept, a
+connection from ``::1`` whose local address is ``::1``.
 One ``getsockname`` for those only: every other connection's source says
 it cannot be one (``::1`` is reached from ``::1``, unless a program binds
 another local source on purpose, and then it is served).
