@@ -9,8 +9,9 @@ function from those objects to a lab file that mirrors the cluster:
 - one echo pod per endpoint address, on the endpoint's ``nodeName``, at that
   address, labelled with the selectors of every Service whose slices list it
   (so the lab's own EndpointSlice controller publishes it for exactly those);
-- the Services as they are (``spec`` untouched but for an IPv6 family the
-  IPv4-only lab cannot serve), the first LoadBalancer one behind the lab's LB;
+- the Services as they are (``spec`` untouched but for an IPv6 family: a
+  mirrored lab is IPv4 only, as ``lab.spec`` allows no ``dualStack`` beside a
+  cluster's own addresses), the first LoadBalancer one behind the lab's LB;
 - each node's pod networks: its ``spec.podCIDRs`` when it has them, plus a /32
   for every endpoint address outside them (VPC CNIs give pods addresses from
   the nodes' subnet), and a service CIDR just wide enough for the ClusterIPs.
@@ -395,12 +396,12 @@ def _services(raw: list[tuple[str, Mapping[str, Any]]], r: _Reader,
         v4 = [ip for ip in ips if _ipv4(ip)]
         if ips and not v4:
             left.append(LeftOut(where, f"IPv6 only (clusterIPs {', '.join(map(str, ips))}):"
-                                " the lab is IPv4"))
+                                " a mirrored lab is IPv4"))
             continue
         if len(v4) != len(ips):
             left.append(LeftOut(where, "its IPv6 family (clusterIPs "
-                                f"{', '.join(str(i) for i in ips if i not in v4)}): the lab is"
-                                " IPv4 only; it keeps the IPv4 one"))
+                                f"{', '.join(str(i) for i in ips if i not in v4)}): a mirrored"
+                                " lab is IPv4 only; it keeps the IPv4 one"))
             spec.update(clusterIP=v4[0], clusterIPs=v4[:1], ipFamilies=["IPv4"],
                         ipFamilyPolicy="SingleStack")
         external = spec.get("externalIPs")
@@ -453,8 +454,8 @@ def _endpoints(raw: list[tuple[str, Mapping[str, Any]]], services: Mapping[str, 
         if svc_key not in services:
             continue  # the Service was left out (and said), or was never there
         if obj.get("addressType", "IPv4") != "IPv4":
-            left.append(LeftOut(where, f"addressType {obj.get('addressType')}: the lab is"
-                                " IPv4 only"))
+            left.append(LeftOut(where, f"addressType {obj.get('addressType')}: a mirrored"
+                                " lab is IPv4 only"))
             continue
         for j, ep in enumerate(endpoints):
             ew = f"{where}: endpoints[{j}]"

@@ -61,6 +61,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import resource
 import socket
 import struct
 from collections.abc import Iterable, Iterator
@@ -114,6 +115,28 @@ def _bpf(cmd: int, attr: bytes) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"bpf({cmd}): {os.strerror(err)}")
     return int(ret)
+
+
+def _lift_memlock() -> bool:
+    """Raise RLIMIT_MEMLOCK as libbpf does for kernels that charge BPF to it; True if raised.
+
+    To unlimited where allowed (CAP_SYS_RESOURCE: a privileged container, root
+    on a node), else the soft limit to the hard one. Kernels since 5.11 charge
+    BPF memory to the memory cgroup instead and never call this: only their
+    EPERM does, and they raise no EPERM for memory.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return False
+    for limits in ((resource.RLIM_INFINITY, resource.RLIM_INFINITY), (hard, hard)):
+        if limits[0] == soft:
+            continue
+        try:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, limits)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False
 
 
 def _insn(op: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
@@ -218,10 +241,12 @@ class SkLookup:
     """The namespace-linked program, its pair map and its two-socket sockmap.
 
     Construct it in the namespace to serve (OSError if the kernel refuses:
-    no ``sk_lookup``, no CAP_BPF); ``steer_to(sock)`` sets the TCP listener
-    or the UDP socket; ``changes(served, proto)`` yields the pair map
-    changes for one protocol as batch syscalls, so a caller on the event
-    loop can yield between them; ``close()`` unlinks.
+    no ``sk_lookup``, no CAP_BPF; an EPERM from a kernel before 5.11 that
+    charges BPF to RLIMIT_MEMLOCK lifts that limit and builds once more);
+    ``steer_to(sock)`` sets the TCP listener or the UDP socket;
+    ``changes(served, proto)`` yields the pair map changes for one protocol
+    as batch syscalls, so a caller on the event loop can yield between them;
+    ``close()`` unlinks.
     """
 
     def __init__(self, family: int = 4) -> None:
@@ -230,6 +255,22 @@ class SkLookup:
         self.family = family
         """The lookups it steers: IPv4 or IPv6 (the other family's are passed)."""
         self._fds: list[int] = []
+        try:
+            self._create()
+        except OSError as exc:
+            # Before Linux 5.11 maps and programs are charged to RLIMIT_MEMLOCK,
+            # which refuses them with EPERM: the pair map alone is charged
+            # several MiB (its 2^18 buckets), over the usual default limit
+            # (64 KiB, or 8 MiB under a recent systemd) a container inherits.
+            if exc.errno != errno.EPERM or not _lift_memlock():
+                raise
+            self._create()
+        self._served: dict[str, set[tuple[str, int]]] = {proto: set() for proto in PROTOCOLS}
+        """Per protocol, the pairs the map holds now (updated batch by batch)."""
+
+    def _create(self) -> None:
+        """The maps, the program and its link to this thread's namespace; all or none."""
+        family = self.family
         try:
             self.pairs_fd = self._keep(_bpf(BPF_MAP_CREATE, struct.pack(
                 "=IIIII", BPF_MAP_TYPE_HASH, len(pair_key(_ANY[family], 0)), 1, MAX_PAIRS,
@@ -247,8 +288,6 @@ class SkLookup:
         except BaseException:
             self.close()
             raise
-        self._served: dict[str, set[tuple[str, int]]] = {proto: set() for proto in PROTOCOLS}
-        """Per protocol, the pairs the map holds now (updated batch by batch)."""
 
     @property
     def served(self) -> set[tuple[str, int]]:

@@ -15,6 +15,7 @@ import base64
 import itertools
 import json
 import ssl
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from tests.support.objects import endpoint_slice, node, service
 from tests.support.pki import make_pki
 
 NODE = "node-a"
+REPO = Path(__file__).resolve().parents[2]
 FAST: dict[str, Any] = {"min_sync_period": 0.005, "backoff_initial": 0.005, "backoff_max": 0.02}
 
 PLUGIN = """#!{python}
@@ -431,3 +433,49 @@ def test_kpx_node_with_a_bad_kubeconfig_exits_2(
                       {"exec": {"apiVersion": "client.authentication.k8s.io/v1"}})
     assert kpx_main(["node", "--kubeconfig", str(path), "--hostname-override", NODE]) == 2
     assert "missing key 'command'" in caplog.text
+
+
+# -- kpx snapshot --kubeconfig, and the library only on demand ------------------------------
+
+
+async def test_snapshot_with_an_exec_plugin_kubeconfig(api: FakeAPIServer, tmp_path: Path) -> None:
+    """``kpx snapshot --kubeconfig K -o state.yaml`` as an EKS user runs it: the
+    kubeconfig's exec plugin gives the token every list carries, once."""
+    api.check_token = lambda token: token == "tok-1"
+    path = kubeconfig(tmp_path / "config", {"server": api.url},
+                      {"exec": plugin(tmp_path, 3600)})
+    out = tmp_path / "state.yaml"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "snapshot", "--kubeconfig", str(path), "-o", str(out),
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    doc = yaml.safe_load(out.read_text())
+    assert doc["kind"] == "List"
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in doc["items"]) == [
+        ("EndpointSlice", "web-abc"), ("Node", NODE), ("Service", "web")]
+    assert len(runs(tmp_path)) == 1
+    assert api.requests and set(seen_tokens(api)) == {"tok-1"} and api.unauthorized == []
+
+
+def test_kubernetes_asyncio_is_imported_only_for_the_api_source(tmp_path: Path) -> None:
+    """A node fed by a state file (or given --master) never loads the library;
+    reading a kubeconfig does."""
+    path = kubeconfig(tmp_path / "config", {"server": "https://127.0.0.1:6443"},
+                      {"token": "t"})
+    script = (
+        "import sys\n"
+        "import proxy.cli, proxy.commands.node, proxy.commands.snapshot, proxy.commands.check\n"
+        "import proxy.sources.kubeapi, proxy.sources.snapshot, proxy.sources.statefile\n"
+        "import proxy.proxier\n"
+        "from proxy.sources.kubeapi import KubeConfig\n"
+        "KubeConfig.load(None, 'https://127.0.0.1:6443')\n"
+        "before = sorted(m for m in sys.modules if m.startswith('kubernetes_asyncio'))\n"
+        f"KubeConfig.load({str(path)!r})\n"
+        "after = any(m.startswith('kubernetes_asyncio') for m in sys.modules)\n"
+        "print(before, after)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["[]", "True"]

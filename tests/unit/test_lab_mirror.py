@@ -251,8 +251,8 @@ def test_dual_stack_keeps_the_ipv4_family_and_says_so() -> None:
     web = next(s for s in mirror.spec["services"] if s["metadata"]["name"] == "web")
     assert web["spec"]["clusterIPs"] == ["10.96.0.10"]
     assert web["spec"]["ipFamilyPolicy"] == "SingleStack"
-    assert ("Service default/web: its IPv6 family (clusterIPs fd00::10): the lab is IPv4 only;"
-            " it keeps the IPv4 one") in left(mirror)
+    assert ("Service default/web: its IPv6 family (clusterIPs fd00::10): a mirrored lab is"
+            " IPv4 only; it keeps the IPv4 one") in left(mirror)
 
 
 def test_nodes_the_lab_cannot_have() -> None:
