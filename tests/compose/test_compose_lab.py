@@ -23,6 +23,7 @@ pytestmark = pytest.mark.compose
 
 NODE_IPS = {"node1": "10.77.0.11", "node2": "10.77.0.12", "node3": "10.77.0.13"}
 NODE_PORT = 30080
+CLUSTER_NODE_PORT = 30081
 HEALTH_PORT = 32080
 CURL_TIMED_OUT = 28
 CURL_REFUSED = 7
@@ -65,6 +66,28 @@ def test_nodes_without_the_endpoint_drop_the_node_port(compose_lab: Lab, node: s
     assert direct.returncode == 0, direct.stderr
     assert json.loads(direct.stdout)["pod"] == "web-1"
 
+
+
+@pytest.mark.parametrize("node", ["node2", "node3"])
+def test_cluster_node_port_via_a_node_without_the_endpoint_is_snated(compose_lab: Lab,
+                                                                     node: str) -> None:
+    # default/web-cluster (eTP=Cluster, NodePort 30081) through a node that
+    # has no endpoint: forwarded to web-1 on node1, SNATed to that node's IP
+    # (the hop back must return through it), not dropped as eTP=Local is.
+    res = compose_lab.curl(f"http://{NODE_IPS[node]}:{CLUSTER_NODE_PORT}/")
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    got = json.loads(res.stdout)
+    assert (got["pod"], got["node"]) == ("web-1", "node1")
+    assert got["peer"].rsplit(":", 1)[0] == NODE_IPS[node]
+
+
+def test_localhost_node_port_is_served_on_a_node_without_the_endpoint(compose_lab: Lab) -> None:
+    # Traffic from the node itself gets Cluster semantics even for eTP=Local
+    # (kube-proxy's rule): node2 reaches web-1 on 127.0.0.1:30080, which it
+    # drops for the client.
+    res = compose_lab.exec("node2", "curl", "-sS", "-m", "3", f"http://127.0.0.1:{NODE_PORT}/")
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    assert json.loads(res.stdout)["pod"] == "web-1"
 
 def test_the_lb_follows_the_endpoint_to_web_2(compose_lab: Lab, restore_state: str) -> None:
     moved = (restore_state
