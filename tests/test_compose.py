@@ -14,8 +14,10 @@ is tests/compose/'s job.
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +209,31 @@ def test_readme_names_every_engine_test() -> None:
         assert f"`{name}`" in readme, f"compose/README.md does not list {name}"
     listed = set(re.findall(r"`(test_\w+)`", readme))
     assert listed <= set(tests), f"README lists tests that do not exist: {listed - set(tests)}"
+
+
+def _fake_docker(bin_dir: Path, *, compose: bool, daemon: bool) -> None:
+    """A ``docker`` CLI whose compose plugin and daemon answer as told."""
+    script = bin_dir / "docker"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'[ "$1" = compose ] && exit {0 if compose else 1}\n'
+        f'[ "$1" = info ] && exit {0 if daemon else 1}\n'
+        "exit 2\n")
+    script.chmod(0o755)
+    (bin_dir / "podman").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "podman").chmod(0o755)
+
+
+@pytest.mark.parametrize(("compose_ok", "daemon_ok", "want"), [
+    (True, True, "docker"),
+    (True, False, "podman"),   # the client and plugin without an engine behind them
+    (False, True, "podman"),
+])
+def test_the_engine_is_docker_only_when_its_compose_and_daemon_answer(
+        tmp_path: Path, compose_ok: bool, daemon_ok: bool, want: str) -> None:
+    _fake_docker(tmp_path, compose=compose_ok, daemon=daemon_ok)
+    env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
+    env.pop("KPX_COMPOSE_ENGINE", None)
+    got = subprocess.run([str(ROOT / "compose" / "kpx-compose"), "--engine"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert (got.returncode, got.stdout.strip()) == (0, want), got.stderr
