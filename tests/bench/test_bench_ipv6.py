@@ -222,13 +222,23 @@ def test_ipv6_ratio_over_ipv4_ratio_is_judged_within_ten_percent() -> None:
     # IPv4 0.75x, IPv6 0.6x: 0.8, more than 10% worse.
     assert r.value == pytest.approx(0.8) and r.status == "missed"
     r = family_ratio(t, "local", "req_per_s", "kpx", "kernel")
-    # IPv4 0.45x, IPv6 0.7x: 1.56, 10% either way is the target.
-    assert r.value == pytest.approx(0.7 / 0.45) and r.status == "missed"
+    # IPv4 0.45x, IPv6 0.7x: 1.56, past 10% in kpx's favour: told apart from a miss.
+    assert r.value == pytest.approx(0.7 / 0.45) and r.status == "better"
     assert family_ratio(t, "local", "req_per_s", "kpx", "haproxy", tolerance=0.02).status \
         == "missed"
     # CPU per request: kpx 1/700 against haproxy's 1/800 over IPv6, 1/900 against 1/1000.
     r = family_ratio(t, "local", "rr_cpu_us", "kpx", "haproxy")
     assert r.value == pytest.approx((800 / 700) / (1000 / 900)) and r.status == "met"
+    # A CPU quotient is in kpx's favour below 1: kpx 1/950 against haproxy's 1/500 over
+    # IPv6 (IPv6/IPv4 0.47) is better; kpx's CPU doubling over IPv6 is a miss.
+    t6 = _ipv4_cells()
+    _cell(t6, "local/ipv6", "haproxy", 500, 800)
+    _cell(t6, "local/ipv6", "kpx", 950, 600)
+    assert family_ratio(t6, "local", "rr_cpu_us", "kpx", "haproxy").status == "better"
+    t6 = _ipv4_cells()
+    _cell(t6, "local/ipv6", "haproxy", 1000, 800)
+    _cell(t6, "local/ipv6", "kpx", 450, 600)
+    assert family_ratio(t6, "local", "rr_cpu_us", "kpx", "haproxy").status == "missed"
     rows = family_ratios(t)
     rates = {(f"kpx/{ref}", m) for ref in ("haproxy", "kernel")
              for m in ("req_per_s", "conn_per_s")}
