@@ -30,6 +30,8 @@ Theory of operation:
   families: each family's plans take their own (``Service.serves``,
   ``Service.cluster_ip_of``), as kube-proxy's per-family proxiers do. IPv6
   addresses are kept in their canonical text, the form sockets report.
+  ``spec.loadBalancerSourceRanges`` likewise (``_source_ranges``): CIDRs of
+  both families, as networks, split per family only where plans are built.
 - Endpoint conditions resolve here, once, exactly as in EndpointSliceCache:
   nil ready and nil serving mean true, nil terminating means false.
 - Names are held to the API server's formats (``_NAME_RULES``): Service names
@@ -847,7 +849,7 @@ def _source_ranges(fields: _Fields, spec: dict[str, Any], svc_type: str) -> tupl
 # without a single problem, and build equal model objects and the same
 # claims for them, with plain lookups and no ``_Fields`` calls. Anything
 # else (any problem, a null where a default applies, an ignored service,
-# session affinity, a non-IPv4 slice; an IPv6 or special address, clusterIPs
+# session affinity, source ranges, a non-IPv4 slice; an IPv6 or special address, clusterIPs
 # other than ``[clusterIP]``, an ingress hostname) makes them return None, and
 # the full judge decides, so every message still comes from one place.
 

@@ -62,7 +62,10 @@ Which ``VIP:port`` reaches kpx, and how:
   on active cluster IPs", even where a node process listens on ``0.0.0.0``
   at that port. The node's own SYNs to a VIP meet it too: the VIP is local,
   so they loop through ``lo`` and its prerouting. A filter chain with no
-  ``ct`` match switches no connection tracking on.
+  ``ct`` match switches no connection tracking on. Before those, an LB
+  ingress IP's port whose service has ``loadBalancerSourceRanges`` meets
+  kube-proxy's firewall: a ``firewall`` verdict map jumps it to the
+  service's ``fw_<n>`` chain, which drops a source outside the ranges.
 
 Traffic to anything else leaves at the chain's first rule (one set
 lookup), so unrelated packets never cost userspace work.
