@@ -89,6 +89,8 @@ def test_the_cloud_providers_annotation_is_not_read() -> None:
     doc = lb_doc(meta={"annotations": {
         "service.beta.kubernetes.io/load-balancer-source-ranges": "10.0.0.0/8"}})
     assert parsed(doc).load_balancer_source_ranges == ()
+    (service,) = full_verdict(doc).services
+    assert service.load_balancer_source_ranges == ()
 
 
 @pytest.mark.usefixtures("yaml_reader")
