@@ -13,7 +13,7 @@ that gets past the table anyway (its chain flushed behind kpx's back) is
 reset by the relay's own ``decide``, never forwarded. ``allowFromNode``: the
 node reaching its LB IP comes from that IP, served only when a range holds
 the node's address. IPv6: the same table in ``ip6 kpx_vips``, through
-``LocalVIPs(family=6)``. Namespaces are removed pass or fail.
+``LocalVIPs(family=6)``, for TCP and UDP. Namespaces are removed pass or fail.
 """
 
 from __future__ import annotations
@@ -158,12 +158,22 @@ def _ipv6() -> None:
                        check=True)
     vips = LocalVIPs(base=f"@{prefix()}fw6", family=6)
     firewall = Firewall("default/web", firewall_sources([ipaddress.ip_network("2001:db8:1::/48")]),
-                        frozenset({(LB6, "tcp", 80)}))
+                        frozenset({(LB6, "tcp", 80), (LB6, "udp", 53)}))
     srv = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    udp = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     try:
-        vips.sync({LB6}, Interception(served=frozenset({(LB6, 80)}), firewalls=(firewall,)))
+        vips.sync({LB6}, Interception(served=frozenset({(LB6, 80)}),
+                                      udp_served=frozenset({(LB6, 53)}), firewalls=(firewall,)))
         srv.bind(("::", 80))
         srv.listen(8)
+        udp.bind(("::", 53))
+        udp.settimeout(DROP_WINDOW)
+
+        def datagram(source: str) -> bytes:
+            with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as c:
+                c.bind((source, 0))
+                c.sendto(source.encode(), (LB6, 53))
+                return udp.recvfrom(100)[0]
 
         def connect(source: str) -> None:
             with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as c:
@@ -177,10 +187,17 @@ def _ipv6() -> None:
         with pytest.raises(TimeoutError):
             connect(OUT6)
         assert firewall_drops("ip6") > before
+        # UDP: every datagram from outside is dropped before it is steered.
+        assert datagram(IN6) == IN6.encode()
+        before = firewall_drops("ip6")
+        with pytest.raises(TimeoutError):
+            datagram(OUT6)
+        assert firewall_drops("ip6") > before
     finally:
+        udp.close()
         srv.close()
         vips.remove_all()
 
 
-def test_ipv6_an_out_of_range_syn_is_dropped_in_the_kernel() -> None:
+def test_ipv6_out_of_range_syns_and_datagrams_are_dropped_in_the_kernel() -> None:
     in_fresh_netns("fwdp6", _ipv6)
