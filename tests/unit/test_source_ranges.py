@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 
@@ -37,10 +36,11 @@ from proxy.core.model import (
     Snapshot,
     TrafficPolicy,
 )
-from proxy.k8s import StateError, fields, parse_state
+from proxy.k8s import fields, parse_state
 from proxy.userspace.dataplane import vip_rules
 from proxy.userspace.vips import Firewall, firewall_sources, nft_script, rule_counters
 from tests.support import objects
+from tests.unit.test_k8s_vips import full_verdict, problems
 
 net = ipaddress.ip_network
 
@@ -59,17 +59,6 @@ def lb_doc(ranges: object = None, *, type: str = "LoadBalancer", **spec: Any) ->
 def parsed(doc: dict[str, Any]) -> Service:
     (service,) = parse_state(objects.state_yaml(doc)).services
     return service
-
-
-def problems(doc: dict[str, Any]) -> list[str]:
-    with pytest.raises(StateError) as err:
-        parse_state(objects.state_yaml(doc))
-    return err.value.problems
-
-
-def full_verdict(doc: object) -> fields._Verdict:
-    with mock.patch.object(fields, "_quick_service", lambda doc: None):
-        return fields._judge(doc)
 
 
 @pytest.mark.usefixtures("yaml_reader")
