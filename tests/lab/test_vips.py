@@ -516,7 +516,8 @@ def test_lb_source_ranges_drop_a_source_outside_them_until_an_apply_takes_it_in(
     dropped by kpx (a counter rises), while the same service's ClusterIP
     serves it and the external client, through the LB, reaches the nodePort,
     which no range filters, its own IP kept (eTP=Local). An apply that takes
-    the pod network in serves c2 within a second. (c2's address is not what
+    the pod network in serves c2 within a second; a bad range then is
+    refused and those ranges stay in force. (c2's address is not what
     the backend sees: a pod gets Cluster semantics on an external VIP, and
     kpx SNATs that hop to another node, ``proxy.core.decision``.)
     """
@@ -545,3 +546,10 @@ def test_lb_source_ranges_drop_a_source_outside_them_until_an_apply_takes_it_in(
     wait_applied(lab, before)
     assert connect_outcome(lab, "c2", lb_ip, 80, DROP_WINDOW) == "ok"
     assert peer_ip(lab.request("client", lb_ip, 80)) == CLIENT_IP
+
+    # A range that is not a CIDR: the state is refused, naming the field, and
+    # the last good ranges stay in force.
+    lab.apply(spec(["10.244.0.0/16", "10.244.0.0/99"]))
+    wait_until(lambda: 'spec.loadBalancerSourceRanges[1]: "10.244.0.0/99" is not a valid CIDR'
+               in lab.proxy_log("node1"), 3.0, what="kpx refusing the bad range")
+    assert connect_outcome(lab, "c2", lb_ip, 80, DROP_WINDOW) == "ok"
