@@ -953,8 +953,8 @@ def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
     source_ranges = get("loadBalancerSourceRanges")
     if not (
         # Source ranges are rare: the full judge reads them (``_source_ranges``).
-        (source_ranges is None or source_ranges == _NO_ITEMS) and
-        type(svc_type) is str
+        (source_ranges is None or source_ranges == _NO_ITEMS)
+        and type(svc_type) is str
         and svc_type in _SERVICE_TYPES
         and svc_type != "ExternalName"
         and type(etp) is str
