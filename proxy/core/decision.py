@@ -21,6 +21,11 @@ The rules, in order (kube-proxy semantics section 1g, with the kpx decisions).
 External addresses (NodePorts, externalIPs, VIP-mode LB IPs) follow eTP:
 
 1. No usable endpoint anywhere -> ``Reject`` (the listener is closed, RST).
+   Then, on an LB ingress IP only, ``loadBalancerSourceRanges`` (those of
+   the plan's family; kube-proxy's firewall chain): a client outside every
+   range -> ``Drop``, whoever it is, the node and pods included; when a
+   range holds the node's IP, the service's LB IPs pass as sources too
+   (``allowFromNode``).
 2. Traffic from the node itself (one of its addresses, or 127.0.0.0/8), and
    pod traffic when cluster CIDRs are configured -> Cluster endpoints.
    Node traffic is SNATed always; pod traffic only on cross-node hops.
@@ -54,7 +59,7 @@ from dataclasses import dataclass, field
 
 from proxy.core.balancer import Balancer
 from proxy.core.endpoints import EndpointInfo, categorize_endpoints, service_port_endpoints
-from proxy.core.model import Service, ServicePort, Snapshot
+from proxy.core.model import Network, Service, ServicePort, Snapshot
 
 LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 
@@ -109,6 +114,12 @@ class PortPlan:
     """The VIP this plan serves, or None for the NodePort plan."""
     internal: bool = False
     """A ClusterIP plan: iTP applies, and nobody short-circuits to Cluster."""
+    source_ranges: tuple[Network, ...] = ()
+    """An LB ingress IP's plan with endpoints: the ``loadBalancerSourceRanges`` of its
+    family, outside which a new connection is dropped; () means no firewall."""
+    source_vips: tuple[str, ...] = ()
+    """Sources let through besides ``source_ranges``: the service's LB IPs of the
+    family when a range holds the node's IP (kube-proxy's ``allowFromNode``)."""
     # Read by every connection, or by every sync for every port: derived
     # from the Service once, when the plan is built.
     key: str = field(init=False)
@@ -170,6 +181,11 @@ def build_plan(
 ) -> PortPlan:
     eps = service_port_endpoints(snapshot, service, port, node_name, family)
     cat = categorize_endpoints(eps, service)
+    ranges: tuple[Network, ...] = ()
+    allowed: tuple[str, ...] = ()
+    if (service.load_balancer_source_ranges and cat.has_any and vip is not None
+            and not internal):
+        ranges, allowed = _firewall(snapshot, node_name, service, vip, family)
     return PortPlan(
         service=service,
         port=port,
@@ -180,7 +196,48 @@ def build_plan(
         remote_count=sum(1 for e in cat.cluster if not e.is_local),
         vip=vip,
         internal=internal,
+        source_ranges=ranges,
+        source_vips=allowed,
     )
+
+
+def _firewall(snapshot: Snapshot, node_name: str, service: Service, vip: str, family: int
+              ) -> tuple[tuple[Network, ...], tuple[str, ...]]:
+    """``(source_ranges, source_vips)`` of ``service``'s plan on ``vip``, which has endpoints.
+
+    kube-proxy's firewall chain (``usesFWChain := hasEndpoints &&
+    len(LoadBalancerVIPs) > 0 && len(ranges) > 0``) guards the LB ingress
+    IPs only: never a ClusterIP, an externalIP or a NodePort. The ranges are
+    those of the plan's family. ``allowFromNode``: when one of them holds
+    the node's IP of the family (its first, kube-proxy's ``nodeIP``), the
+    LB IPs are sources too, since a node reaching its own LB VIP through a
+    local route comes from that VIP.
+    """
+    lb_vips = load_balancer_vips(service, family)
+    ranges = service.source_ranges_of(family)
+    if vip not in lb_vips or not ranges:
+        return (), ()
+    node_ip = _node_ip(snapshot, node_name, family)
+    if node_ip is not None and _in_any(node_ip, ranges):
+        return ranges, lb_vips
+    return ranges, ()
+
+
+def _node_ip(snapshot: Snapshot, node_name: str, family: int) -> str | None:
+    """The node's IP of ``family`` as kube-proxy's proxier of it knows it: its first."""
+    node = snapshot.node(node_name)
+    ips = () if node is None else node.ips_of(family)
+    return ips[0] if ips else None
+
+
+def load_balancer_vips(service: Service, family: int = 4) -> tuple[str, ...]:
+    """``service``'s LB ingress IPs of ``family`` that kpx intercepts (ipMode VIP)."""
+    if service.type != "LoadBalancer":
+        return ()
+    v6 = family == 6
+    return tuple(dict.fromkeys(
+        i.ip for i in service.ingress
+        if i.ip_mode == "VIP" and (":" in i.ip) == v6 and _interceptable(i.ip)))
 
 
 def service_vips(service: Service, family: int = 4) -> tuple[tuple[str, bool], ...]:
@@ -251,7 +308,7 @@ class PlanCache:
     __slots__ = ("_generation", "_inputs", "_plans_of", "_table", "built", "reused")
 
     def __init__(self) -> None:
-        self._inputs: tuple[str, bool, bool, str, int] | None = None
+        self._inputs: tuple[str, bool, bool, str, int, str | None] | None = None
         self._generation: int | None = None
         self._plans_of: dict[str, tuple[PortPlan, ...]] = {}
         """Service key -> its plans, for every proxied service of the last build."""
@@ -263,8 +320,12 @@ class PlanCache:
         self, snapshot: Snapshot, node_name: str, masquerade_all: bool, vips: bool = False,
         protocol: str = "TCP", family: int = 4,
     ) -> frozenset[str] | None:
-        """The service keys to rebuild for ``snapshot``, or None to rebuild all."""
-        if self._inputs != (node_name, masquerade_all, vips, protocol, family):
+        """The service keys to rebuild for ``snapshot``, or None to rebuild all.
+
+        The node's IP is an input too: a firewall's ``allowFromNode`` depends on it.
+        """
+        if self._inputs != (node_name, masquerade_all, vips, protocol, family,
+                            _node_ip(snapshot, node_name, family)):
             return None
         return snapshot.changes.relative_to(self._generation)
 
@@ -349,7 +410,8 @@ def build_plans(
             }
     if cache is None:
         return table
-    cache._inputs = (node_name, masquerade_all, vips, protocol, family)
+    cache._inputs = (node_name, masquerade_all, vips, protocol, family,
+                     _node_ip(snapshot, node_name, family))
     cache._generation = snapshot.generation
     cache._plans_of, cache._table = plans_of, table
     cache.built, cache.reused = built, len(plans_of) - built
@@ -429,6 +491,10 @@ def _candidates(
     """
     if not plan.has_any:
         return Reject(f"{plan.key} has no endpoints")
+    if plan.source_ranges and client_ip not in plan.source_vips and not _in_any(
+            client_ip, plan.source_ranges):
+        # kube-proxy's firewall chain, before any policy: whoever the client is.
+        return Drop(f"{plan.key}: {client_ip} is outside loadBalancerSourceRanges")
     # The node reaching one of its own VIPs may show the VIP as its source.
     node_source = is_node_source(client_ip, local_addresses) or client_ip == plan.vip
     pod_source = not node_source and _in_any(client_ip, cluster_cidrs)

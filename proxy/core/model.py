@@ -28,6 +28,7 @@ SessionAffinity = Literal["None", "ClientIP"]
 IPMode = Literal["VIP", "Proxy"]
 IPFamily = Literal["IPv4", "IPv6"]
 IPFamilyPolicy = Literal["SingleStack", "PreferDualStack", "RequireDualStack"]
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 FAMILY_NAMES: dict[int, IPFamily] = {4: "IPv4", 6: "IPv6"}
 """A family's number (4, 6, as ``ipaddress`` says) -> its Kubernetes name: an
@@ -131,6 +132,12 @@ class Service:
     that family (``GetClusterIPByFamily``); the parser derives this from
     ``clusterIPs`` when it can, else from ``ipFamilies``, else IPv4."""
     ip_family_policy: IPFamilyPolicy = "SingleStack"
+    load_balancer_source_ranges: tuple[Network, ...] = ()
+    """``spec.loadBalancerSourceRanges``: canonical networks of both families, in order.
+
+    kube-proxy's firewall for the LB ingress IPs (``source_ranges_of``); the
+    parser keeps them only on a LoadBalancer, the only type the API server
+    lets have them."""
     key: str = field(init=False, repr=False, compare=False)
     """``namespace/name``: how kube-proxy and kpx name a service in logs.
 
@@ -150,6 +157,14 @@ class Service:
         if family == 4:
             return self.cluster_ip
         return next((ip for ip in self.cluster_ips if ":" in ip), None)
+
+    def source_ranges_of(self, family: int) -> tuple[Network, ...]:
+        """The ``loadBalancerSourceRanges`` of ``family`` (4 or 6).
+
+        Each family's proxier takes only its own (``MapCIDRsByIPFamily``): a
+        dual-stack service with IPv4 ranges only is not filtered over IPv6.
+        """
+        return tuple(n for n in self.load_balancer_source_ranges if n.version == family)
 
     @property
     def externally_accessible(self) -> bool:

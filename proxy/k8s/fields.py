@@ -30,6 +30,8 @@ Theory of operation:
   families: each family's plans take their own (``Service.serves``,
   ``Service.cluster_ip_of``), as kube-proxy's per-family proxiers do. IPv6
   addresses are kept in their canonical text, the form sockets report.
+  ``spec.loadBalancerSourceRanges`` likewise (``_source_ranges``): CIDRs of
+  both families, as networks, split per family only where plans are built.
 - Endpoint conditions resolve here, once, exactly as in EndpointSliceCache:
   nil ready and nil serving mean true, nil terminating means false.
 - Names are held to the API server's formats (``_NAME_RULES``): Service names
@@ -60,7 +62,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from ipaddress import IPv6Address
+from ipaddress import IPv6Address, ip_network
 from typing import Any, NamedTuple, cast
 
 from proxy.core.model import (
@@ -72,6 +74,7 @@ from proxy.core.model import (
     IPFamilyPolicy,
     IPMode,
     LoadBalancerIngress,
+    Network,
     Node,
     Service,
     ServicePort,
@@ -796,13 +799,57 @@ def _ingress(fields: _Fields, doc: dict[str, Any]) -> tuple[LoadBalancerIngress,
     return tuple(out)
 
 
+_CIDR = re.compile(r"[0-9A-Fa-f.:]+/[0-9]{1,3}")
+"""An address and a decimal prefix length, as Go's ``ParseCIDR`` reads them: no bare
+address, netmask or zone, which ``ipaddress.ip_network`` would also take."""
+
+
+def _cidr(text: str) -> Network | None:
+    """The network ``text`` names as Go's ``ParseCIDR`` reads it, or None."""
+    if not _CIDR.fullmatch(text):
+        return None
+    try:
+        return ip_network(text, strict=False)
+    except ValueError:
+        return None
+
+
+def _source_ranges(fields: _Fields, spec: dict[str, Any], svc_type: str) -> tuple[Network, ...]:
+    """``spec.loadBalancerSourceRanges``: canonical networks of both families, in order.
+
+    The rules (ValidateService): each entry, space-trimmed ("a historical
+    accident around transition from the annotation value"), is a CIDR; host
+    bits may be set (``10.0.0.1/8`` is ``10.0.0.0/8``, as Go's ``ParseCIDR``
+    makes it); and the field is forbidden unless the type is LoadBalancer.
+    The ``service.beta.kubernetes.io/load-balancer-source-ranges``
+    annotation is the cloud provider's, never kube-proxy's: not read.
+    """
+    raw = fields.string_list(spec, "loadBalancerSourceRanges", "spec.")
+    if raw and svc_type != "LoadBalancer":
+        fields.fail("spec.loadBalancerSourceRanges",
+                    f"may only be used when spec.type is LoadBalancer, not {_quote(svc_type)}")
+    out: list[Network] = []
+    for i, value in enumerate(raw):
+        if type(value) is not str:
+            continue  # Reported by ``string_list``.
+        text = value.strip()
+        network = _cidr(text)
+        if network is None:
+            fields.fail(f"spec.loadBalancerSourceRanges[{i}]",
+                        f"{_quote(value)} is not a valid CIDR (an address and a prefix"
+                        f" length, such as 203.0.113.0/24 or 2001:db8::/64)")
+        else:
+            out.append(network)
+    return tuple(dict.fromkeys(out))
+
+
 # -- the common case, quickly ---------------------------------------------------
 #
 # ``_quick_*`` accept only objects that the full judges below would accept
 # without a single problem, and build equal model objects and the same
 # claims for them, with plain lookups and no ``_Fields`` calls. Anything
 # else (any problem, a null where a default applies, an ignored service,
-# session affinity, a non-IPv4 slice; an IPv6 or special address, clusterIPs
+# session affinity, source ranges, a non-IPv4 slice; an IPv6 or special address, clusterIPs
 # other than ``[clusterIP]``, an ingress hostname) makes them return None, and
 # the full judge decides, so every message still comes from one place.
 
@@ -903,8 +950,11 @@ def _quick_service(doc: dict[str, Any]) -> tuple[Service, list[_Claim]] | None:
     family_policy = get("ipFamilyPolicy", "SingleStack")
     publish = get("publishNotReadyAddresses", False)
     raw_ports = get("ports")
+    source_ranges = get("loadBalancerSourceRanges")
     if not (
-        type(svc_type) is str
+        # Source ranges are rare: the full judge reads them (``_source_ranges``).
+        (source_ranges is None or source_ranges == _NO_ITEMS)
+        and type(svc_type) is str
         and svc_type in _SERVICE_TYPES
         and svc_type != "ExternalName"
         and type(etp) is str
@@ -1346,6 +1396,7 @@ class _Judge:
         cluster_ip, cluster_ips, cluster_families = _cluster_ip(fields, spec)
         ip_families, ip_family_policy = _ip_families(fields, spec, cluster_families)
         publish = fields.boolean(spec, "publishNotReadyAddresses", "spec.", False)
+        source_ranges = _source_ranges(fields, spec, svc_type)
 
         ingress = _ingress(fields, doc)
         raw_ports = fields.items(spec, "ports", "spec.")
@@ -1401,6 +1452,7 @@ class _Judge:
             cluster_ips=cluster_ips,
             ip_families=ip_families,
             ip_family_policy=ip_family_policy,
+            load_balancer_source_ranges=source_ranges,
         )
         if service.needs_health_check:
             # The healthz sidecar listens on it over TCP, beside the NodePorts.

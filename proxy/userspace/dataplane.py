@@ -83,10 +83,13 @@ from proxy.userspace.sklookup import SkLookup
 from proxy.userspace.transparent import RoutingConfig, TransparentRouting, transparent_capable
 from proxy.userspace.udp import UdpForwarder, UdpFront
 from proxy.userspace.vips import (
+    Firewall,
+    FirewallPort,
     Interception,
     LocalVIPs,
     VIPPort,
     VIPTarget,
+    firewall_sources,
     listen_address,
 )
 from proxy.util.prepared import Prepared
@@ -136,6 +139,8 @@ def vip_rules(plans: Mapping[PlanKey, PortPlan], passed: tuple[str, ...] = (),
     second value: some served TCP port has ClientIP affinity. ``udp_plans``
     fill the UDP sets the same way. For ``family`` 6, every NodePort that
     has listeners is one ``::1`` refuses (``Interception.loopback``).
+    A served LB IP port with ``loadBalancerSourceRanges`` (``plan.source_ranges``)
+    is also in its service's ``Firewall``, which the table checks first.
     """
     def sort(table: Mapping[PlanKey, PortPlan]) -> tuple[frozenset[VIPPort], ...]:
         served: set[VIPPort] = set()
@@ -164,8 +169,29 @@ def vip_rules(plans: Mapping[PlanKey, PortPlan], passed: tuple[str, ...] = (),
         udp_loopback = frozenset(p.node_port for p in (udp_plans or {}).values()
                                  if p.vip is None and p.listen)
     rules = Interception(served, drop_all, drop_external, passed,
-                         udp_served, udp_drop_all, udp_drop_external, loopback, udp_loopback)
+                         udp_served, udp_drop_all, udp_drop_external, loopback, udp_loopback,
+                         firewalls(plans, udp_plans or {}))
     return rules, affinity
+
+
+def firewalls(plans: Mapping[PlanKey, PortPlan],
+              udp_plans: Mapping[PlanKey, PortPlan]) -> tuple[Firewall, ...]:
+    """The ``loadBalancerSourceRanges`` firewalls of one family's plans, by service (pure).
+
+    Only plans that carry ranges are in one: an LB IP of a service with
+    endpoints (``decision.build_plan``); the relay's ``decide`` drops the same
+    sources, for a connection that got past the table.
+    """
+    found: dict[tuple[str, tuple[str, ...]], set[FirewallPort]] = {}
+    for proto, table in (("tcp", plans), ("udp", udp_plans)):
+        for plan in table.values():
+            if plan.vip is None or not plan.source_ranges or not plan.listen:
+                continue
+            sources = firewall_sources(plan.source_ranges, plan.source_vips)
+            found.setdefault((plan.service.key, sources), set()).add(
+                (plan.vip, proto, plan.port.port))
+    return tuple(Firewall(key, sources, frozenset(ports))
+                 for (key, sources), ports in sorted(found.items()))
 
 
 class _PortTable(NamedTuple):

@@ -62,7 +62,10 @@ Which ``VIP:port`` reaches kpx, and how:
   on active cluster IPs", even where a node process listens on ``0.0.0.0``
   at that port. The node's own SYNs to a VIP meet it too: the VIP is local,
   so they loop through ``lo`` and its prerouting. A filter chain with no
-  ``ct`` match switches no connection tracking on.
+  ``ct`` match switches no connection tracking on. Before those, an LB
+  ingress IP's port whose service has ``loadBalancerSourceRanges`` meets
+  kube-proxy's firewall: a ``firewall`` verdict map jumps it to the
+  service's ``fw_<n>`` chain, which drops a source outside the ranges.
 
 Traffic to anything else leaves at the chain's first rule (one set
 lookup), so unrelated packets never cost userspace work.
@@ -232,6 +235,35 @@ def _ip(family: int) -> str:
 
 
 VIPPort = tuple[str, int]
+FirewallPort = tuple[str, str, int]
+"""An LB IP, ``tcp`` or ``udp``, a port: one key of the ``firewall`` verdict map."""
+
+_COMMENT_SAFE = re.compile(r"[a-z0-9][a-z0-9./-]*")
+"""What a service key (``namespace/name``, both DNS labels) is made of: safe in an nft
+comment. Anything else is left out of the comment rather than quoted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Firewall:
+    """One service's ``loadBalancerSourceRanges`` in one family's table (kube-proxy's
+    ``firewall-*`` chain): a new connection to one of ``ports`` from outside ``sources``
+    is dropped. ``sources``: the ranges, and the LB IPs with ``allowFromNode``, as
+    non-overlapping CIDRs (``firewall_sources``)."""
+
+    service: str
+    sources: tuple[str, ...]
+    ports: frozenset[FirewallPort]
+
+
+def firewall_sources(ranges: Iterable[ipaddress.IPv4Network | ipaddress.IPv6Network],
+                     also: Iterable[str] = ()) -> tuple[str, ...]:
+    """``ranges`` and the addresses ``also``, merged into non-overlapping CIDRs (one family).
+
+    nft refuses overlapping intervals in one set (``10.0.0.0/8, 10.1.0.0/16``,
+    or an LB IP inside a range), which a user's list may well hold.
+    """
+    nets = [*ranges, *(ipaddress.ip_network(a) for a in also)]
+    return tuple(str(n) for n in ipaddress.collapse_addresses(nets))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +292,8 @@ class Interception:
     localhost NodePort, so there the SYN meets a closed port."""
     udp_loopback: frozenset[int] = frozenset()
     """The same for UDP NodePorts: ICMPv6 port unreachable, a closed port's answer."""
+    firewalls: tuple[Firewall, ...] = ()
+    """``loadBalancerSourceRanges``: checked before every other rule, TCP and UDP."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -343,6 +377,16 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
     count what they turn away (``nft list table ip kpx_vips``): an
     operator's first question about a timing-out VIP.
 
+    ``loadBalancerSourceRanges`` come first, as kube-proxy's
+    ``firewall-check`` does before any DNAT: the ``firewall`` verdict map,
+    keyed ``daddr . l4proto . dport`` as kube-proxy's ``firewall-ips``,
+    jumps a new connection (a SYN; for UDP every datagram) to an LB IP port
+    to its service's chain ``fw_<n>``, which drops a source outside the
+    ranges (``ip saddr != { ranges } drop``) and returns otherwise, so the
+    guard goes on. ``jump``, not kube-proxy's ``goto``: the guard is a base
+    chain, and a ``goto`` that fell off its target would end in the policy's
+    accept and skip the rules after it.
+
     ``family`` 6 writes the same table in the ``ip6`` family (``ip6
     kpx_vips``, beside ``ip kpx_vips``), with ``ipv6_addr`` sets and ICMPv6's
     port unreachable for UDP, and refuses the NodePorts on ``::1``
@@ -355,6 +399,15 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         return _elements(f"{a} . {p}" for a, p in ordered(s))
 
     cidrs = _elements(rules.passed)
+    fw_chains = "".join(
+        f"  chain fw_{i} {{\n"
+        f"    {ip} saddr != {{ {', '.join(fw.sources)} }} counter drop"
+        + (f' comment "{fw.service}"' if _COMMENT_SAFE.fullmatch(fw.service) else "")
+        + "\n  }\n"
+        for i, fw in enumerate(rules.firewalls))
+    fw_elements = _elements(f"{a} . {proto} . {port} : jump fw_{i}"
+                            for i, fw in enumerate(rules.firewalls)
+                            for a, proto, port in ordered(fw.ports))
     loopback = ""
     if family == 6:
         loopback = (
@@ -372,6 +425,8 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"delete table {ip} {table}\n"
         f"table {ip} {table} {{\n"
         f"{loopback}"
+        f"{fw_chains}"
+        f"  map firewall {{ type {addr} . inet_proto . inet_service : verdict;{fw_elements} }}\n"
         f"  set vips {{ type {addr};{_elements(ordered(vips))} }}\n"
         f"  set served {{ type {addr} . inet_service;{pairs(rules.served)} }}\n"
         f"  set drop_all {{ type {addr} . inet_service;{pairs(rules.drop_all)} }}\n"
@@ -382,6 +437,7 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"  set udp_drop_external {{ type {addr} . inet_service;"
         f"{pairs(rules.udp_drop_external)} }}\n"
         f"  chain udp_guard {{\n"
+        f"    {ip} daddr . meta l4proto . udp dport vmap @firewall\n"
         f"    {ip} daddr . udp dport @udp_drop_all counter drop\n"
         f"    {ip} daddr . udp dport @udp_drop_external {ip} saddr != @passed"
         f" fib saddr type != local counter drop\n"
@@ -394,6 +450,7 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         + f"    {ip} daddr != @vips return\n"
         f"    meta l4proto udp jump udp_guard\n"
         f"    tcp flags & (syn | ack) != syn return\n"
+        f"    {ip} daddr . meta l4proto . tcp dport vmap @firewall\n"
         f"    {ip} daddr . tcp dport @drop_all counter drop\n"
         f"    {ip} daddr . tcp dport @drop_external {ip} saddr != @passed"
         f" fib saddr type != local counter drop\n"
@@ -414,15 +471,23 @@ def rule_counters(listing: str) -> dict[str, int]:
     """Packets each counting rule of ``nft list chain/table ip kpx_vips`` turned away.
 
     Keys: ``drop_all``, ``drop_external``, ``reject``, and the same three
-    with ``udp_`` for UDP datagrams.
+    with ``udp_`` for UDP datagrams; ``firewall``: new connections (TCP and
+    UDP) from outside a service's ``loadBalancerSourceRanges``, every
+    ``fw_<n>`` chain's summed.
     """
     out: dict[str, int] = {}
     udp = ""
+    firewall = False
     for line in listing.splitlines():
         if line.strip().startswith("chain "):
-            udp = "udp_" if line.split()[1] == "udp_guard" else ""
+            chain = line.split()[1]
+            udp = "udp_" if chain == "udp_guard" else ""
+            firewall = chain.startswith("fw_")
         m = re.search(r"counter packets (\d+)", line)
         if m is None:
+            continue
+        if firewall:
+            out["firewall"] = out.get("firewall", 0) + int(m.group(1))
             continue
         key = ("drop_all" if "drop_all" in line else "drop_external"
                if "drop_external" in line else "reject" if "reject" in line else None)

@@ -490,3 +490,66 @@ def test_a_kpx_that_exits_leaves_no_vip_route_in_its_node(lab_factory: LabFactor
     assert vip_routes(lab, "node2") == [], f"kpx left routes behind\n{lab.proxy_log('node2')}"
     assert vip_table(lab, "node2") == "", "kpx left its nft table behind"
     assert cip in vip_routes(lab, "node1"), "the other nodes' kpx keep serving"
+
+
+# ------------------------------------------------------------------ 9. loadBalancerSourceRanges
+
+
+def firewall_drops(lab: Lab, node: str) -> int:
+    """New connections node's kpx dropped for default/web: the userspace table's firewall
+    chain count, or nfqueue mode's dropped-connection metric (it drops by verdict)."""
+    if nfqueue_mode(lab, node):
+        return dropped(lab, node)
+    m = re.search(r'saddr != .* counter packets (\d+) .*comment "default/web"',
+                  vip_table(lab, node))
+    return int(m.group(1)) if m else 0
+
+
+def test_lb_source_ranges_drop_a_source_outside_them_until_an_apply_takes_it_in(
+        lab_factory: LabFactory) -> None:
+    """kube-proxy's firewall on the LB ingress IP, its NodePort and ClusterIP left open.
+
+    The lab's LB DNATs its front (the ingress IP) to a nodePort, so what
+    reaches a node with the LB IP as destination, as from an L2/BGP balancer,
+    is in-cluster traffic kpx intercepts: pod c2, on node2 (the endpoint is on
+    node1), is the source the ranges judge. Outside them its SYN times out,
+    dropped by kpx (a counter rises), while the same service's ClusterIP
+    serves it and the external client, through the LB, reaches the nodePort,
+    which no range filters, its own IP kept (eTP=Local). An apply that takes
+    the pod network in serves c2 within a second; a bad range then is
+    refused and those ranges stay in force. (c2's address is not what
+    the backend sees: a pod gets Cluster semantics on an external VIP, and
+    kpx SNATs that hop to another node, ``proxy.core.decision``.)
+    """
+    def spec(ranges: list[str]) -> dict[str, Any]:
+        svc = service("web", "Local", type="LoadBalancer", loadBalancerSourceRanges=ranges)
+        return {"nodes": 2, "pods": [pod("web-1", "node1", "web"), pod("c2", "node2", "client")],
+                "services": [svc], "loadBalancer": lb_section("VIP")}
+
+    lab = up(lab_factory, spec(["192.0.2.0/24"]))
+    (ingress,) = lab.ingress("default/web")
+    lb_ip = ingress["ip"]
+    assert lab.request("c2", lab.cluster_ip("default/web"), 80)["pod"] == "web-1"
+    eaten = firewall_drops(lab, "node2")
+    t0 = time.monotonic()
+    assert connect_outcome(lab, "c2", lb_ip, 80, DROP_WINDOW) == "timeout"
+    assert time.monotonic() - t0 >= DROP_WINDOW * 0.9
+    wait_until(lambda: firewall_drops(lab, "node2") > eaten, 3.0,
+               what="kpx dropping the SYN from outside the ranges")
+    wait_until(answers(lab, "client", lb_ip), 5.0, what="the client served through the LB")
+    assert peer_ip(lab.request("client", lb_ip, 80)) == CLIENT_IP
+
+    before = generations(lab)
+    lab.apply(spec(["10.244.0.0/16"]))
+    took = poll_change(lab, answers(lab, "c2", lb_ip), "c2 served once the ranges hold it")
+    assert took < CHANGE_LIMIT, f"the new ranges took {took:.2f}s"
+    wait_applied(lab, before)
+    assert connect_outcome(lab, "c2", lb_ip, 80, DROP_WINDOW) == "ok"
+    assert peer_ip(lab.request("client", lb_ip, 80)) == CLIENT_IP
+
+    # A range that is not a CIDR: the state is refused, naming the field, and
+    # the last good ranges stay in force.
+    lab.apply(spec(["10.244.0.0/16", "10.244.0.0/99"]))
+    wait_until(lambda: 'spec.loadBalancerSourceRanges[1]: "10.244.0.0/99" is not a valid CIDR'
+               in lab.proxy_log("node1"), 3.0, what="kpx refusing the bad range")
+    assert connect_outcome(lab, "c2", lb_ip, 80, DROP_WINDOW) == "ok"
