@@ -28,7 +28,9 @@ External addresses (NodePorts, externalIPs, VIP-mode LB IPs) follow eTP:
    (``allowFromNode``).
 2. Traffic from the node itself (one of its addresses, or 127.0.0.0/8), and
    pod traffic when cluster CIDRs are configured -> Cluster endpoints.
-   Node traffic is SNATed always; pod traffic only on cross-node hops.
+   Both are SNATed always: a pod on this node reaching a local endpoint
+   through an external address would get its reply straight over the pod
+   bridge, bypassing kpx, as with ``ClusterIPSNAT`` below.
 3. eTP=Local, external client -> local endpoints only, client IP kept;
    none here -> ``Drop`` (the SYN is silently discarded).
 4. eTP=Cluster -> Cluster endpoints, SNAT only when the endpoint is on
@@ -470,11 +472,15 @@ def decide(
                 or ep.is_local or ep.ip == client_ip)
     else:
         # The node's own traffic always SNATs (iptables marks --src-type LOCAL
-        # for masquerade). Otherwise only a cross-node hop must, because its
-        # reply would not come back through this node (kpx decision 3);
-        # --masquerade-all restores "always" for eTP=Cluster, never for
-        # eTP=Local external clients, whose source IP is the point of the policy.
-        snat = node_source or (plan.masquerade_all and not plan.policy_local) or not ep.is_local
+        # for masquerade), and so does a pod's: a local endpoint would answer a
+        # pod on this node straight over the pod bridge, bypassing kpx (as for
+        # ``ClusterIPSNAT``), and a remote one across nodes. Otherwise only a
+        # cross-node hop must, because its reply would not come back through
+        # this node (kpx decision 3); --masquerade-all restores "always" for
+        # eTP=Cluster, never for eTP=Local external clients, whose source IP is
+        # the point of the policy.
+        snat = (node_source or pod_source or not ep.is_local
+                or (plan.masquerade_all and not plan.policy_local))
     return Forward(ep, snat, why)
 
 

@@ -372,6 +372,11 @@ def test_a_pod_reaches_a_local_policy_lb_ip_from_a_node_without_an_endpoint(
     assert ingress["ip"] in vip_routes(lab, "node2")
     reply = lab.request("c2", ingress["ip"], 80)
     assert reply["pod"] == "web-1"
+    # A pod on the endpoint's own node is SNATed to that node: unSNATed, the
+    # endpoint would answer it over the pod bridge, past kpx's relay (a reset).
+    reply = lab.request("c1", ingress["ip"], 80)
+    assert reply["pod"] == "web-1"
+    assert peer_ip(reply) in node_addresses(lab, "node1"), f"the pod saw {reply['peer']}"
 
 
 # ------------------------------------------------------------------ 7. ipMode Proxy

@@ -148,11 +148,16 @@ def test_node_traffic_is_snated_even_to_a_local_endpoint() -> None:
         )
 
 
-def test_local_pod_traffic_gets_cluster_endpoints_and_snat_only_across_nodes() -> None:
-    p = plan(LOCAL_EP, REMOTE_EP, policy="Local")
+@pytest.mark.parametrize("policy", ["Cluster", "Local"])
+def test_pod_traffic_gets_cluster_endpoints_and_is_snated_to_a_local_one_too(
+        policy: str) -> None:
+    # A local endpoint would answer a pod on this node over the pod bridge, past kpx.
+    p = plan(LOCAL_EP, REMOTE_EP, policy=policy)
     balancer = Balancer()
     seen = {forwarded(run(p, "10.244.7.7", balancer, cidrs=POD_CIDRS)) for _ in range(4)}
-    assert seen == {(LOCAL_EP.address, False), (REMOTE_EP.address, True)}
+    assert seen == {(LOCAL_EP.address, True), (REMOTE_EP.address, True)}
+    # An external client to the same local endpoint keeps its IP under eTP=Cluster too.
+    assert forwarded(run(plan(LOCAL_EP))) == (LOCAL_EP.address, False)
 
 
 def test_pod_traffic_is_not_dropped_when_nothing_is_here() -> None:
