@@ -28,8 +28,12 @@ down: $(STAMP)
 	$(KPX) lab down
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 tests/unit
-	$(PY) -m pytest -q --ignore=tests/unit
+	# On both cores: the pure unit tests, and the bench's, which check that each
+	# figure exists and is sane, never how fast (each bench topology has its own
+	# namespaces, kb<pid>-*). Then the rest, whose timing-sensitive lab checks
+	# (drop windows, UDP cadence) get the machine to themselves.
+	$(PY) -m pytest -q -n 2 tests/unit tests/bench
+	$(PY) -m pytest -q --ignore=tests/unit --ignore=tests/bench
 
 # ruff, then the import contracts in pyproject.toml: the pure core imports no
 # I/O or shell, healthz nothing of proxy, lab and bench neither.
