@@ -85,8 +85,8 @@ class Config:
     runs: int = 3
     paths: list[str] = field(default_factory=lambda: ["local", "cross"])
     mem_paths: list[str] = field(default_factory=lambda: ["local"])
-    workloads: list[str] = field(default_factory=lambda: ["bulk", "rr", "cps", "mem",
-                                                          "control"])
+    workloads: list[str] = field(default_factory=lambda: ["bulk", "rr", "cps", "connect",
+                                                          "mem", "control"])
     contenders: list[str] = field(default_factory=lambda: ["direct", "kernel", "haproxy",
                                                            "naive", "kpx", "kpx-w2"])
     families: list[int] = field(default_factory=lambda: [4])
@@ -315,6 +315,8 @@ class Bench:
         s = self.cfg.settings
         per_run = {w: s.durations.get(w, 0.0) + s.pause + 0.7 for w in ("bulk", "rr", "cps")}
         per_run["mem"] = 7.0
+        # connect: the client's start-up, then each connect (~0.2 ms) and its pause.
+        per_run["connect"] = s.connect_count * (s.connect_pause + 0.0003) + s.pause + 0.7
         per_run["udp"] = s.duration("udp") + s.pause + 1.5  # + the WHO probe and warm-up
         total = 0.0
         for path in self.cfg.paths:
