@@ -66,6 +66,7 @@ from bench.procs import cpu_seconds, machine_jiffies, nofile_hard_limit
 from bench.results import (
     IPV6_PATHS,
     IPV6_WORKLOADS,
+    TARGET_SECTIONS,
     CellTable,
     Run,
     all_ratios,
@@ -549,13 +550,13 @@ class Bench:
             logs = str(self.log_dir)
         self.save(complete)
         doc_ratios = all_ratios(self.table)
-        doc_targets = evaluate_targets(self.table)
         out.write("\n== results (median over runs, min-max) ==\n")
         out.write(report.summary_table(self.table) + "\n")
         out.write("\n== ratios (medians) ==\n")
         out.write(report.ratio_table(doc_ratios) + "\n")
-        out.write("\n== issue 5 targets ==\n")
-        out.write(report.target_table(doc_targets) + "\n")
+        for issue, targets in TARGET_SECTIONS:
+            out.write(f"\n== issue {issue} targets ==\n")
+            out.write(report.target_table(evaluate_targets(self.table, targets)) + "\n")
         fam_rows = family_ratios(self.table)
         if fam_rows:
             out.write("\n== IPv6 against IPv4, same run (issue 14: kpx's IPv6 ratios within "
