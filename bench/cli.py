@@ -122,6 +122,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"where the JSON and PNGs go (default {RESULTS_DIR})")
     parser.add_argument("--pause", type=float, metavar="S",
                         help="pause before each run, for TIME_WAIT (default 3, quick 1)")
+    parser.add_argument("--connects", type=int, metavar="N",
+                        help="fresh connections the connect workload times, one at a time "
+                             "with a 2 ms pause (default 2000, quick 500)")
     parser.add_argument("--mem-connections", type=int, default=10000, metavar="N",
                         help="idle connections for mem (default 10000, capped by RLIMIT_NOFILE)")
     parser.add_argument("--control-sizes", type=_sizes, default=[1000, 10000], metavar="N,N",
@@ -167,6 +170,7 @@ def build_config(args: argparse.Namespace) -> Config:
         pause=args.pause if args.pause is not None else (1.0 if q else 3.0),
         mem_connections=args.mem_connections,
         bulk_tool=args.bulk_tool,
+        connect_count=max(1, args.connects) if args.connects else (500 if q else 2000),
     )
     control = ControlSettings(
         sizes=tuple(args.control_sizes),

@@ -55,7 +55,8 @@ def _path_order(table: CellTable, path: str | None) -> tuple[int, int]:
 
 
 def _wl_order(w: str) -> tuple[int, str]:
-    fams = ("bulk", "rr", "cps", "mem", "udp", "apply", "idle", "converge", "stall")
+    fams = ("bulk", "rr", "cps", "connect", "mem", "udp", "apply", "idle", "converge",
+            "stall")
     f = family(w)
     size = w.split("-", 1)[1] if "-" in w else ""
     return (fams.index(f) if f in fams else 99, size.zfill(9))

@@ -10,8 +10,11 @@ functions, so the arithmetic is unit-tested without a network:
   the whole cell, because a contender that sometimes errors is not "fast";
 - a *ratio* divides two cells' medians and is ``None`` with a reason when
   either side is missing or failed;
-- a *target* is one row of issue 5's table, evaluated to met / missed /
-  not measured, with the measured figure;
+- a *target* is one row of an issue's table (issue 5: kpx against HAProxy;
+  issue 15: the nfqueue mode against the kernel, the relay against HAProxy),
+  evaluated to met / missed / not measured, with the measured figure: a
+  ratio of two contenders' medians, a difference of them (the time nfqueue
+  adds over kernel DNAT), or one contender's own figure;
 - a *family ratio* (issue 14) sets a ratio measured over IPv6 beside the
   same ratio over IPv4 in the same run: IPv6 cells are on their own paths
   (``local/ipv6`` beside ``local``, ``family_path``), so every ratio and
@@ -61,6 +64,10 @@ METRICS: dict[str, Metric] = {
         Metric("rr_cpu_us", "rr", "us", False, "proxy CPU per request", "cpu", True),
         Metric("conn_per_s", "cps", "conn/s", True, "new connections/s"),
         Metric("cps_cpu_us", "cps", "us", False, "proxy CPU per connection", "cpu", True),
+        Metric("connect_p50_us", "connect", "us", False, "connect() time p50, light load",
+               "p50"),
+        Metric("connect_p99_us", "connect", "us", False, "connect() time p99, light load",
+               "p99"),
         Metric("kib_per_conn", "mem", "KiB", False, "RSS per idle proxied connection"),
         Metric("udp_per_s", "udp", "req/s", True, "udp request/response datagrams/s"),
         Metric("udp_p50_ms", "udp", "ms", False, "udp round trip p50", "p50"),
@@ -85,12 +92,15 @@ METRICS: dict[str, Metric] = {
     )
 }
 
-WORKLOADS = ("bulk", "rr", "cps", "mem", "control", "udp")
+WORKLOADS = ("bulk", "rr", "cps", "connect", "mem", "control", "udp")
 """Every workload ``--workloads`` accepts."""
-DEFAULT_WORKLOADS = ("bulk", "rr", "cps", "mem", "control")
+DEFAULT_WORKLOADS = ("bulk", "rr", "cps", "connect", "mem", "control")
 """What runs without ``--workloads``: udp is asked for by name, so a default run
-(and every script built on one) measures what it did before udp existed."""
-DATA_WORKLOADS = ("bulk", "rr", "cps", "mem", "udp")
+(and every script built on one) measures what it did before udp existed. connect
+(issue 15) is in: issue 15's table is judged in one default run, and it costs about
+5 s per contender per path and round. It runs after cps (its pause lets cps's
+TIME_WAIT settle) and before mem, whose 10,000 connections are still closing after it."""
+DATA_WORKLOADS = ("bulk", "rr", "cps", "connect", "mem", "udp")
 
 FAMILIES = (4, 6)
 """``--families`` values: IPv4 and IPv6."""
@@ -264,28 +274,50 @@ class Ratio:
     reason: str | None = None
 
 
-def ratio(table: CellTable, path: str | None, metric: str, num: str, den: str) -> Ratio:
-    """median(num) / median(den); ``None`` with the reason when either side has no figure."""
+def medians(table: CellTable, path: str | None, metric: str, num: str, den: str
+            ) -> tuple[float, float] | str:
+    """Both sides' medians of ``metric`` on ``path``, or why there is no pair: a side
+    not measured or not ok (the first such side is named), or a cell with no figure."""
     workload = METRICS[metric].workload
-    r = Ratio(f"{num}/{den}", path, workload, metric, num, den, None)
     for who in (num, den):
         c = table.get(path, workload, who)
         if c is None:
-            r.reason = f"{who} {workload} not measured"
-            return r
+            return f"{who} {workload} not measured"
         if c.status != "ok":
-            r.reason = f"{who} {workload} {c.status}: {c.reason}"
-            return r
+            return f"{who} {workload} {c.status}: {c.reason}"
     n = table.cell(path, workload, num).median(metric)
     d = table.cell(path, workload, den).median(metric)
     if n is None or d is None:
-        r.reason = f"no {metric} figure"
-        return r
-    if d == 0:
+        return f"no {metric} figure"
+    return n, d
+
+
+def ratio(table: CellTable, path: str | None, metric: str, num: str, den: str) -> Ratio:
+    """median(num) / median(den); ``None`` with the reason when either side has no figure."""
+    r = Ratio(f"{num}/{den}", path, METRICS[metric].workload, metric, num, den, None)
+    pair = medians(table, path, metric, num, den)
+    if isinstance(pair, str):
+        r.reason = pair
+    elif pair[1] == 0:
         r.reason = f"{den} {metric} is zero"
-        return r
-    r.value = n / d
+    else:
+        r.value = pair[0] / pair[1]
     return r
+
+
+def difference(table: CellTable, path: str | None, metric: str, num: str, den: str
+               ) -> tuple[float | None, str | None]:
+    """median(num) - median(den), in the metric's unit, or ``None`` and the reason.
+
+    For a cost both sides pay where only the excess is the subject's: the time
+    kpx-nfq adds to connect() is its connect() time minus kernel DNAT's over the
+    same path in the same run (the wire, the backend and the client's own
+    syscall are in both). Negative when the subject was quicker.
+    """
+    pair = medians(table, path, metric, num, den)
+    if isinstance(pair, str):
+        return None, pair
+    return pair[0] - pair[1], None
 
 
 RATIO_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -410,9 +442,11 @@ def family_ratios(table: CellTable) -> list[FamilyRatio]:
 
 @dataclass(frozen=True)
 class Target:
-    """One row of issue 5's table. ``ref`` set -> ratio target, else absolute."""
+    """One row of an issue's table. ``ref`` set -> compared with ``ref`` (a ratio, or a
+    difference when ``compare`` says so), else absolute."""
 
     key: str
+    """Unique over every issue's rows (issue 15's start ``nfq_`` or ``relay_``)."""
     label: str
     goal: str
     metric: str
@@ -422,6 +456,12 @@ class Target:
     ref: str | None = None
     workload: str | None = None
     """The cell's workload when it is not the metric's family (``apply-10000``)."""
+    compare: Literal["ratio", "difference"] = "ratio"
+    """With ``ref``: ``ratio`` judges subject/ref (unit ``x``); ``difference`` judges
+    subject - ref in the metric's unit, the excess of a cost both sides pay."""
+    paths: tuple[str, ...] | None = None
+    """Only these base paths (and their IPv6 twins); None: every path it ran on."""
+    issue: int = 5
 
     @property
     def cell_workload(self) -> str:
@@ -455,6 +495,37 @@ TARGETS: tuple[Target, ...] = (
     *(replace(t, key=f"{t.key}_nfq", label=f"kpx-nfq: {t.label}", subject="kpx-nfq")
       for t in CONTROL_TARGETS),
 )
+"""Issue 5's table: kpx's userspace relay against HAProxy, and its control plane."""
+
+NFQ_CONNECT_ADDED_US = 200.0
+"""Issue 15: kpx-nfq may add at most this to a connect()'s p99 at light load."""
+ISSUE15_TARGETS: tuple[Target, ...] = (
+    Target("nfq_cps_kernel", "kpx-nfq cps", ">= 0.9x kernel", "conn_per_s", ">=", 0.9,
+           subject="kpx-nfq", ref="kernel", issue=15),
+    Target("nfq_cps_haproxy", "kpx-nfq cps", ">= 1.3x haproxy", "conn_per_s", ">=", 1.3,
+           subject="kpx-nfq", ref="haproxy", issue=15),
+    Target("nfq_rr_kernel", "kpx-nfq rr req/s", ">= 0.9x kernel", "req_per_s", ">=", 0.9,
+           subject="kpx-nfq", ref="kernel", issue=15),
+    Target("nfq_bulk_kernel", "kpx-nfq bulk Gbit/s", ">= 0.9x kernel", "gbps", ">=", 0.9,
+           subject="kpx-nfq", ref="kernel", issue=15),
+    Target("nfq_connect_added", "kpx-nfq connect() p99 added over kernel, light load",
+           f"<= {NFQ_CONNECT_ADDED_US:.0f} us",
+           "connect_p99_us", "<=", NFQ_CONNECT_ADDED_US, subject="kpx-nfq", ref="kernel",
+           compare="difference", issue=15),
+    Target("relay_rr_haproxy", "kpx (userspace) rr req/s", ">= 1.0x haproxy", "req_per_s",
+           ">=", 1.0, ref="haproxy", paths=("cross",), issue=15),
+    Target("relay_cps_haproxy", "kpx (userspace) cps", ">= 1.0x haproxy", "conn_per_s",
+           ">=", 1.0, ref="haproxy", paths=("cross",), issue=15),
+    Target("relay_bulk_haproxy", "kpx (userspace) bulk Gbit/s", ">= 1.2x haproxy", "gbps",
+           ">=", 1.2, ref="haproxy", issue=15),
+)
+"""Issue 15's table, judged in the same run as issue 5's: the nfqueue mode against
+kernel DNAT (and HAProxy for cps), the relay against HAProxy. The relay's rr and cps
+rows are for the cross path only, as the issue states them (issue 5 judges them on
+every path); the connect row is the one difference target."""
+TARGET_SECTIONS: tuple[tuple[int, tuple[Target, ...]], ...] = ((5, TARGETS),
+                                                               (15, ISSUE15_TARGETS))
+"""Each issue's rows, in print order: one "== issue N targets ==" table each."""
 
 
 @dataclass
@@ -465,32 +536,56 @@ class TargetResult:
     path: str | None
     status: Literal["met", "missed", "not measured"]
     measured: float | None
-    """The ratio for ratio targets, the value for absolute ones."""
+    """The ratio for ratio targets, the difference or the value (in ``unit``) otherwise."""
     unit: str
     reason: str | None = None
+    issue: int = 5
+    """Which issue's table the row is from (absent from files written before issue 15:
+    read it as 5)."""
 
 
-def evaluate_targets(table: CellTable) -> list[TargetResult]:
-    """Each target on each path where its workload ran (control has no path)."""
+def _target_paths(table: CellTable, t: Target) -> list[str | None]:
+    """Where ``t`` is judged: every path its workload ran on (control: None); for a
+    target of named paths, those of them that ran, else the named ones (not measured)."""
+    wl = t.cell_workload
+    ran = [p for p in table.paths() if any(c.workload == wl and c.path == p for c in table)]
+    if t.paths is None:
+        return ran or [None]
+    mine: list[str | None] = [p for p in ran
+                              if p is not None and split_family(p)[0] in t.paths]
+    return mine or list(t.paths)
+
+
+def _measure(table: CellTable, t: Target, path: str | None
+             ) -> tuple[float | None, str | None, str]:
+    """``t``'s figure on ``path``: (value, why none, unit)."""
+    wl = t.cell_workload
+    unit = "x" if t.ref is not None and t.compare == "ratio" else METRICS[t.metric].unit
+    if t.paths is not None and path not in table.paths():
+        return None, f"the {path} path was not run", unit
+    if t.ref is not None and t.compare == "ratio":
+        r = ratio(table, path, t.metric, t.subject, t.ref)
+        return r.value, r.reason, unit
+    if t.ref is not None:
+        value, reason = difference(table, path, t.metric, t.subject, t.ref)
+        return value, reason, unit
+    c = table.get(path, wl, t.subject)
+    if c is None:
+        return None, f"{t.subject} {wl} not measured", unit
+    if c.status != "ok":
+        return None, f"{t.subject} {wl} {c.status}: {c.reason}", unit
+    value = c.median(t.metric)
+    return value, None if value is not None else f"no {t.metric} figure", unit
+
+
+def evaluate_targets(table: CellTable, targets: tuple[Target, ...] = TARGETS
+                     ) -> list[TargetResult]:
+    """Each of ``targets`` (issue 5's by default) on each path where its workload ran
+    (control has no path; a target of named paths is judged on those alone)."""
     out: list[TargetResult] = []
-    for t in TARGETS:
-        wl = t.cell_workload
-        paths = [p for p in table.paths()
-                 if any(c.workload == wl and c.path == p for c in table)]
-        for path in paths or [None]:
-            if t.ref is not None:
-                r = ratio(table, path, t.metric, t.subject, t.ref)
-                measured, reason, unit = r.value, r.reason, "x"
-            else:
-                c = table.get(path, wl, t.subject)
-                unit = METRICS[t.metric].unit
-                if c is None:
-                    measured, reason = None, f"{t.subject} {wl} not measured"
-                elif c.status != "ok":
-                    measured, reason = None, f"{t.subject} {wl} {c.status}: {c.reason}"
-                else:
-                    measured = c.median(t.metric)
-                    reason = None if measured is not None else f"no {t.metric} figure"
+    for t in targets:
+        for path in _target_paths(table, t):
+            measured, reason, unit = _measure(table, t, path)
             if measured is None:
                 status: Literal["met", "missed", "not measured"] = "not measured"
             elif t.op == ">=":
@@ -498,8 +593,13 @@ def evaluate_targets(table: CellTable) -> list[TargetResult]:
             else:
                 status = "met" if measured <= t.threshold else "missed"
             out.append(TargetResult(t.key, t.label, t.goal, path, status, measured, unit,
-                                    reason))
+                                    reason, t.issue))
     return out
+
+
+def evaluate_all_targets(table: CellTable) -> list[TargetResult]:
+    """Every issue's rows, issue 5's then issue 15's (each row says its ``issue``)."""
+    return [r for _, targets in TARGET_SECTIONS for r in evaluate_targets(table, targets)]
 
 
 # ---- the file ----------------------------------------------------------------------
@@ -514,7 +614,7 @@ def document(table: CellTable, *, meta: dict[str, Any], complete: bool) -> dict[
         "metrics": {k: asdict(v) for k, v in METRICS.items()},
         "cells": [c.to_json() for c in table],
         "ratios": [asdict(r) for r in all_ratios(table)],
-        "targets": [asdict(t) for t in evaluate_targets(table)],
+        "targets": [asdict(t) for t in evaluate_all_targets(table)],
         "family_ratios": [asdict(f) for f in family_ratios(table)],
     }
 
@@ -601,6 +701,9 @@ def validate(doc: Any) -> list[str]:
     for i, t in enumerate(doc["targets"]):
         if not isinstance(t, dict) or t.get("status") not in ("met", "missed", "not measured"):
             out.append(f"$.targets[{i}]: malformed")
+        # Absent from files written before issue 15 (their rows are all issue 5's).
+        elif "issue" in t and (not isinstance(t["issue"], int) or isinstance(t["issue"], bool)):
+            out.append(f"$.targets[{i}].issue: {t['issue']!r} is not an issue number")
     # Absent from files written before issue 14; when present, well formed.
     for i, f in enumerate(doc.get("family_ratios", [])):
         if not isinstance(f, dict) or f.get("status") not in ("met", "better", "missed",

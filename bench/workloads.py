@@ -1,4 +1,4 @@
-"""The data-path workloads: bulk, rr, cps, mem, udp. Each returns one checked ``Run``.
+"""The data-path workloads: bulk, rr, cps, connect, mem, udp. Each returns one checked ``Run``.
 
 Owns: driving the load generators in the client namespace against one
 contender's target, and deciding whether the run is clean:
@@ -6,6 +6,8 @@ contender's target, and deciding whether the run is clean:
 - bulk: the exact sender/receiver (``bench.bulk``) must report bytes received
   == bytes sent (or iperf3 within its documented in-flight allowance);
 - rr / cps: wrk must report zero socket errors and zero non-2xx responses;
+- connect: every one of the N fresh connections must be established (no
+  error, no deadline reached), each timed alone at light load;
 - mem: every one of the N connections must reach the backend, and none may be
   closed by the proxy while idle;
 - udp: a UDP ``WHO`` through the contender must come back from the expected
@@ -13,9 +15,9 @@ contender's target, and deciding whether the run is clean:
   silence), then ``bench.udpclient`` must see no corrupt reply, every flow
   answered, and at most ``udp_max_loss`` of its requests unanswered.
 
-Every load is bounded: wrk and the bulk sender by duration, the mem client
-by connection count and a deadline, the udp client by duration and a
-request count, and each subprocess by a timeout.
+Every load is bounded: wrk and the bulk sender by duration, the mem and
+connect clients by connection count and a deadline, the udp client by
+duration and a request count, and each subprocess by a timeout.
 TIME_WAIT is recorded around cps runs (per namespace) so its handling is
 visible in the results rather than silently capping them.
 
@@ -45,6 +47,7 @@ from bench.topology import (
     read_tcp_table,
     sh,
 )
+from bench.udpclient import percentiles
 from lab.common import poll
 
 MEM_FD_RESERVE = 300
@@ -81,6 +84,19 @@ class Settings:
     is a broken path, not a slow one."""
     udp_warmup_timeout: float = 5.0
     """Seconds for every flow's first answered request (flows start one at a time)."""
+    connect_count: int = 2000
+    """Fresh connections the connect workload times (its count bound): p99 is then the
+    20th slowest, not one outlier."""
+    connect_pause: float = 0.002
+    """Seconds of nothing between two connects: each SYN finds the path idle (light
+    load); 2,000 connects then take about 4.5 s."""
+    connect_timeout: float = 2.0
+    """Seconds one connect() may take before it counts as an error (one lost SYN is
+    retransmitted after 1 s and still made: it shows in the tail, not as an error)."""
+
+    def connect_deadline(self) -> float:
+        """The connect run's time bound: its pauses plus 5 ms per connect, plus 10 s."""
+        return 10.0 + self.connect_count * (self.connect_pause + 0.005)
 
     def duration(self, workload: str) -> float:
         """Seconds of a run; udp has rr's length unless given its own (same kind of
@@ -106,18 +122,19 @@ class Settings:
         )
 
 
-def _client(topo: Topology, c: Contender, argv: list[str], timeout: float
-            ) -> subprocess.CompletedProcess[str]:
+def _client(topo: Topology, c: Contender, argv: list[str], timeout: float,
+            input_text: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run the load generator where the path's client is (a pod on node1 for clusterip)."""
-    return sh(topo.exec_argv(c.client_role, argv), check=False, timeout=timeout)
+    return sh(topo.exec_argv(c.client_role, argv), check=False, timeout=timeout,
+              input_text=input_text)
 
 
-def _client_json(topo: Topology, c: Contender, argv: list[str], timeout: float, what: str
-                 ) -> dict[str, Any] | Run:
+def _client_json(topo: Topology, c: Contender, argv: list[str], timeout: float, what: str,
+                 input_text: str | None = None) -> dict[str, Any] | Run:
     """``_client`` for bench's own clients, which end with one JSON line: that line, or the
     failed Run naming ``what`` and the output's tail."""
     try:
-        cp = _client(topo, c, argv, timeout)
+        cp = _client(topo, c, argv, timeout, input_text)
     except CommandError as e:
         return Run.failed(f"{what}: {e}")
     try:
@@ -381,4 +398,55 @@ def udp(topo: Topology, c: Contender, s: Settings) -> Run:
                                  "udp_p99_ms": lat["99"]}, detail=detail)
 
 
-WORKLOAD_FUNCS = {"bulk": bulk, "rr": rr, "cps": cps, "mem": mem, "udp": udp}
+def connect_run(latency: Any, n: int, pause_s: float) -> Run:
+    """Judge ``bench.scaleprobe``'s ``latency`` answer for ``n`` connects (pure).
+
+    Any connect error fails the run (as a wrk socket error fails cps): a
+    percentile over the connections that happened to succeed would flatter a
+    proxy that drops some. So does a short count (the client's deadline). The
+    figures are nearest-rank percentiles in microseconds, an observed value each.
+    """
+    detail: dict[str, Any] = {
+        "connections": n, "pause_ms": round(pause_s * 1000, 3),
+        "tool": "bench.scaleprobe connect_times (one at a time, pause, RST close)"}
+    if not isinstance(latency, dict) or not isinstance(latency.get("ms"), list):
+        return Run.failed(f"connect client printed no latency: {str(latency)[:200]}", **detail)
+    us = [float(x) * 1000.0 for x in latency["ms"]]
+    errors = int(latency.get("error_count", 0))
+    detail["connected"], detail["errors"] = len(us), errors
+    if errors:
+        first = (latency.get("errors") or ["?"])[0]
+        return Run.failed(f"{errors} of {n} connects failed (first: {first})", **detail)
+    if len(us) != n or not us:
+        return Run.failed(f"{len(us)} of {n} connects timed", **detail)
+    q = percentiles(us, (50, 90, 99, 100))
+    detail.update(min_us=round(min(us), 1), p90_us=round(q[90], 1), max_us=round(q[100], 1))
+    return Run(ok=True, metrics={"connect_p50_us": round(q[50], 1),
+                                 "connect_p99_us": round(q[99], 1)}, detail=detail)
+
+
+def connect(topo: Topology, c: Contender, s: Settings) -> Run:
+    """Time added to connect() at light load: fresh connections to the cps target, one
+    at a time, ``connect_pause`` apart, each RST-closed (no TIME_WAIT piles up).
+
+    A process of its own in the client namespace (``bench.scaleprobe``, as the
+    scale bench's latency points), not a harness thread: the harness's GIL
+    would time its own pauses as the contender's.
+    """
+    t = c.target()
+    n = s.connect_count
+    job = {"port": t.http_port, "timeout": s.connect_timeout, "latency": [t.ip] * n,
+           "deadline": s.connect_deadline(), "pause": s.connect_pause}
+    out = _client_json(topo, c, [sys.executable, "-m", "bench.scaleprobe", "client"],
+                       s.connect_deadline() + 30, "connect client", json.dumps(job))
+    if isinstance(out, Run):
+        return out
+    run = connect_run(out.get("latency"), n, s.connect_pause)
+    dead = c.alive_problem()
+    if dead:
+        return Run.failed(dead, **run.detail)
+    return run
+
+
+WORKLOAD_FUNCS = {"bulk": bulk, "rr": rr, "cps": cps, "connect": connect, "mem": mem,
+                  "udp": udp}

@@ -65,15 +65,15 @@ def test_families_default_is_ipv4_only_and_unchanged() -> None:
     for argv in ((), ("--quick",)):
         cfg = cli.build_config(parse(*argv))
         assert cfg.families == [4]
-    assert cli.build_config(parse("--quick")).workloads == ["bulk", "rr", "cps", "mem",
-                                                            "control"]
+    assert cli.build_config(parse("--quick")).workloads == ["bulk", "rr", "cps", "connect",
+                                                            "mem", "control"]
 
 
 def test_families_both_keeps_every_workload_and_path() -> None:
     cfg = cli.build_config(parse("--families", "6,4", "--paths", "local,clusterip"))
     assert cfg.families == [4, 6]
     assert cfg.paths == ["local", "clusterip"]
-    assert cfg.workloads == ["bulk", "rr", "cps", "mem", "control"]
+    assert cfg.workloads == ["bulk", "rr", "cps", "connect", "mem", "control"]
     assert cli.build_config(parse("--families", "ipv4,IPv6")).families == [4, 6]
 
 

@@ -234,3 +234,38 @@ def test_udp_with_the_real_kpx_gives_a_figure_or_a_reason(tmp_path: Path) -> Non
     _doc, table, text = run_bench(cfg)
     check_cells(table, [("local", "udp", "kernel"), ("local", "udp", "kpx")], text)
     assert table.get("local", "udp", "kernel").status == "ok"
+
+
+@pytest.mark.timeout(150)
+def test_connect_times_fresh_connections_and_issue15_judges_them(tmp_path: Path) -> None:
+    """connect for 300 connects (2 ms apart) through the kernel and the real kpx-nfq:
+    every connect made and timed, the figures in microseconds, and issue 15's table
+    printed after issue 5's, its connect row the two p99s' difference (or a reason)."""
+    require_lab()
+    cfg = Config(
+        quick=True, runs=1, paths=["local"], workloads=["connect"],
+        contenders=["kernel", "kpx-nfq"], out=tmp_path, kpx=kpx_executable(),
+        settings=Settings(pause=0.2, connect_count=300),
+    )
+    doc, table, text = run_bench(cfg)
+    check_cells(table, [("local", "connect", "kernel"), ("local", "connect", "kpx-nfq")], text)
+    kernel = table.get("local", "connect", "kernel")
+    assert kernel.status == "ok", (kernel.reason, text[-2000:])
+    run = kernel.runs[0]
+    assert run.detail["connected"] == 300 and run.detail["errors"] == 0
+    assert run.detail["pause_ms"] == 2.0
+    assert 0 < run.metrics["connect_p50_us"] <= run.metrics["connect_p99_us"] \
+        <= run.detail["max_us"]
+    # 300 connects 2 ms apart: at least 0.6 s, and well inside the run's deadline.
+    assert 0.6 <= run.detail["wall_s"] < cfg.settings.connect_deadline()
+    assert text.index("== issue 5 targets ==") < text.index("== issue 15 targets ==")
+    rows = {t["key"]: t for t in doc["targets"] if t["issue"] == 15}
+    added = rows["nfq_connect_added"]
+    nfq = table.get("local", "connect", "kpx-nfq")
+    if nfq.status == "ok":
+        assert added["unit"] == "us" and added["status"] in ("met", "missed")
+        assert added["measured"] == pytest.approx(
+            nfq.summary["connect_p99_us"].median - kernel.summary["connect_p99_us"].median)
+    else:
+        assert added["status"] == "not measured" and "kpx-nfq connect" in added["reason"]
+    assert rows["relay_rr_haproxy"]["reason"] == "the cross path was not run"

@@ -75,13 +75,16 @@ def test_quick_defaults() -> None:
     assert cfg.control.changes == 20
     assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "kpx", "kpx-w2",
                               "kpx-nfq"]
-    assert cfg.workloads == ["bulk", "rr", "cps", "mem", "control"]
+    assert cfg.workloads == ["bulk", "rr", "cps", "connect", "mem", "control"]
+    assert cfg.settings.connect_count == 500
 
 
 def test_full_defaults_and_overrides(tmp_path: Path) -> None:
     cfg = cli.build_config(parse())
     assert cfg.runs == 3 and cfg.paths == ["local", "cross"] and cfg.mem_paths == ["local"]
     assert cfg.control.changes == 100 and cfg.control.sizes == (1000, 10000)
+    assert cfg.settings.connect_count == 2000
+    assert cli.build_config(parse("--quick", "--connects", "300")).settings.connect_count == 300
     cfg = cli.build_config(parse("--quick", "--duration", "7", "--runs", "2", "--paths",
                                  "cross", "--workloads", "rr,cps", "--contenders",
                                  "haproxy,kpx", "--out", str(tmp_path), "--changes", "0",
