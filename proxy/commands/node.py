@@ -62,7 +62,7 @@ from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM
 from proxy.core.sync import SyncConfig
 from proxy.lifecycle.ownership import Ownership, OwnershipError, Successor, live_pids
 from proxy.nfqueue import conntrack
-from proxy.nfqueue.dataplane import NfqueueDataplane
+from proxy.nfqueue.dataplane import DEFAULT_BATCH_WAIT, MAX_BATCH_WAIT, NfqueueDataplane
 from proxy.nfqueue.rules import DEFAULT_QUEUE
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
@@ -82,9 +82,10 @@ a stop with no successor keeps accepting that long before it drains."""
 
 
 def parse_duration(text: str) -> float:
-    """Go-style durations as kube-proxy flags take them: ``30s``, ``1m``, ``500ms``, ``2``."""
-    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-    for suffix in ("ms", "s", "m", "h"):
+    """Go-style durations as kube-proxy flags take them: ``30s``, ``1m``, ``500ms``, ``100us``,
+    ``2``. The longer suffixes are tried first: ``100us`` also ends in ``s``."""
+    units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    for suffix in ("ns", "us", "µs", "ms", "s", "m", "h"):
         if text.endswith(suffix):
             return float(text[: -len(suffix)]) * units[suffix]
     return float(text)
@@ -228,6 +229,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--queue-bypass", action="store_true",
         help="nfqueue mode: fail open (while no kpx reads the queue, SYNs pass undecided,"
         " hence un-DNATed) instead of the default fail-closed (they are dropped and retried)",
+    )
+    parser.add_argument(
+        "--queue-batch-wait", type=parse_timeout, default=DEFAULT_BATCH_WAIT,
+        metavar="DURATION",
+        help="nfqueue mode: after SYNs came several at once (a busy node), let the next ones"
+        " gather this long before reading them, so one wake-up decides a batch; a lone SYN"
+        " never waits; 0: never wait (default 100us)",
     )
     parser.add_argument(
         "--workers", type=int, default=1, metavar="N",
@@ -585,6 +593,7 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     """
     conntrack.apply(conntrack.Settings.from_flags(args))
     dataplane = NfqueueDataplane(loop=loop, queue=args.queue_num, bypass=args.queue_bypass,
+                                 batch_wait=args.queue_batch_wait,
                                  cluster_cidrs=args.cluster_cidr, health=hub.health)
     sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
     # One instance serves both families (one queue, one socket): it is the IPv6
@@ -656,6 +665,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not 0 <= args.queue_num <= 0xFFFF:
         log.error("--queue-num %d: must be 0-65535", args.queue_num)
+        return 2
+    if args.queue_batch_wait > MAX_BATCH_WAIT:
+        log.error("--queue-batch-wait %gs: at most %gms (each gathered SYN waits this long)",
+                  args.queue_batch_wait, MAX_BATCH_WAIT * 1000)
         return 2
     try:
         # One process takes the old one's listening sockets over; --workers

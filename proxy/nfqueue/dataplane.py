@@ -84,6 +84,12 @@ from proxy.util import spawn
 from proxy.util.background import background_executor, loop_first
 from proxy.util.lograte import RateLimitedLog
 
+DEFAULT_BATCH_WAIT = 100e-6
+"""``--queue-batch-wait``: short beside a connection's own round trips, long enough for a
+busy node's SYNs to come in batches (docs/PERFORMANCE.md, "SYN batches")."""
+MAX_BATCH_WAIT = 0.01
+"""Past this, a wait is a delay users would see on every connection of a busy node,
+and stopping the reader would wait it out."""
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
@@ -332,8 +338,11 @@ class NfqueueDataplane:
         config: rules.QueueConfig | None = None,
         bind_timeout: float = 30.0,
         health: ProxyHealth | None = None,
+        batch_wait: float = DEFAULT_BATCH_WAIT,
     ) -> None:
         self.loop = loop
+        self.batch_wait = batch_wait
+        """Seconds the reader lets SYNs gather after a batch of more than one (0: never)."""
         self.cfg = config or rules.QueueConfig(queue=queue, bypass=bypass)
         self.cluster_cidrs = tuple(ipaddress.ip_network(c, strict=False) for c in cluster_cidrs)
         self.local_addresses: frozenset[str] = frozenset()
@@ -666,6 +675,13 @@ class NfqueueDataplane:
                                        exc_info=True)
                     with contextlib.suppress(OSError):
                         sock.send_verdicts([netlink.drop(p.packet_id) for p in packets])
+            if len(packets) > 1 and self.batch_wait:
+                # Interrupt moderation, as a NIC's adaptive rx-usecs: SYNs that
+                # came together mean a busy node, where a wake-up per SYN (two
+                # context switches, a poll, a recv that fails) costs more than
+                # deciding it. Let the next ones gather. A lone SYN never waits:
+                # the one-at-a-time client of an idle node keeps its latency.
+                time.sleep(self.batch_wait)
             now = time.monotonic()
             if now - flushed >= METRICS_FLUSH_INTERVAL:
                 flushed = now

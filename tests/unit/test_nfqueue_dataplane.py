@@ -253,3 +253,53 @@ def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch(
     assert not reader.is_alive()
     assert q.sent == [Verdict(1, NF_DROP, None),
                       Verdict(2, NF_ACCEPT, dp.cfg.layout.forward(1))]
+
+
+# -- the reader's batches: a busy node's SYNs gather, a lone SYN never waits ----------
+
+class TimedQueue(FakeQueue):
+    """A FakeQueue that notes when each verdict left (monotonic seconds)."""
+
+    def __init__(self, batches: list[list[Packet]]) -> None:
+        super().__init__(batches)
+        self.sent_at: list[float] = []
+
+    def send_verdicts(self, verdicts: list[Verdict]) -> None:
+        super().send_verdicts(verdicts)
+        self.sent_at.extend(time.monotonic() for _ in verdicts)
+
+
+def run_reader(dp: NfqueueDataplane, q: TimedQueue, want: int, timeout: float) -> None:
+    """Start the reader on ``q``, wait (at most ``timeout``) for ``want`` verdicts, stop it."""
+    dp._tables = Tables(dp._tabulate(plans(A), ("0.0.0.0",), {}))  # type: ignore[arg-type]
+    dp._start_reader(q)  # type: ignore[arg-type]
+    deadline = time.monotonic() + timeout
+    while len(q.sent) < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dp._stop_reader()
+    q.close()
+
+
+def test_after_syns_that_came_together_the_reader_lets_the_next_ones_gather(
+        dataplane: NfqueueDataplane) -> None:
+    """Two SYNs in one read mean a busy node: the next batch is read batch_wait later,
+    though it was waiting already (each batch's pipe byte is written up front)."""
+    dp = dataplane
+    dp.batch_wait = 0.3
+    q = TimedQueue([[Packet(1, 0, syn(30080)), Packet(2, 0, syn(30080))],
+                    [Packet(3, 0, syn(30080))]])
+    run_reader(dp, q, 3, timeout=10)
+    assert [v.packet_id for v in q.sent] == [1, 2, 3]
+    assert q.sent_at[2] - q.sent_at[1] >= 0.3
+
+
+def test_a_lone_syn_never_makes_the_next_one_wait(dataplane: NfqueueDataplane) -> None:
+    """The one-at-a-time client of an idle node: no wait after a batch of one. Were there
+    one, the second SYN would be answered 30 s later, past the 10 s this test allows."""
+    dp = dataplane
+    dp.batch_wait = 30.0
+    q = TimedQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))],
+                    [Packet(3, 0, syn(30080))]])
+    run_reader(dp, q, 3, timeout=10)
+    assert [v.packet_id for v in q.sent] == [1, 2, 3]
+    assert q.sent_at[2] - q.sent_at[0] < 10

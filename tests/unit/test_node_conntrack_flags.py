@@ -69,3 +69,51 @@ def test_serve_passes_both_to_the_dataplane(
         asyncio.run(node.serve(args))
     assert seen["tcp_timeout_established"] == 90.0
     assert seen["tcp_timeout_close_wait"] == 0.0
+
+
+# -- nfqueue mode's --queue-batch-wait ------------------------------------------------
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("100us", 1e-4), ("100µs", 1e-4), ("250ns", 2.5e-7), ("2ms", 0.002), ("0", 0.0),
+])
+def test_queue_batch_wait_takes_go_durations_down_to_microseconds(text: str,
+                                                                  seconds: float) -> None:
+    assert parse("--queue-batch-wait", text).queue_batch_wait == pytest.approx(seconds)
+
+
+def test_queue_batch_wait_defaults_to_100us() -> None:
+    assert parse().queue_batch_wait == pytest.approx(100e-6)
+
+
+def test_a_queue_batch_wait_past_10ms_is_refused_before_anything_is_touched(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    def claim(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the namespace was claimed: the flag was not refused first")
+
+    monkeypatch.setattr(proxy.commands.node.Ownership, "acquire", claim)
+    args = parse("--state", str(tmp_path / "state.yaml"), "--proxy-mode", "nfqueue",
+                 "--queue-batch-wait", "50ms")
+    assert node.run(args) == 2
+    assert "--queue-batch-wait 0.05s: at most 10ms" in caplog.text
+
+
+def test_serve_nfqueue_hands_the_batch_wait_to_the_dataplane(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    def fake_dataplane(*args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise _Built
+
+    monkeypatch.setattr(proxy.commands.node, "NfqueueDataplane", fake_dataplane)
+    monkeypatch.setattr(proxy.commands.node.conntrack, "apply", lambda settings: None)
+    args = parse("--state", str(tmp_path / "state.yaml"), "--no-healthz",
+                 "--proxy-mode", "nfqueue", "--queue-batch-wait", "250us")
+
+    async def go() -> None:
+        await node.serve_nfqueue(args, asyncio.get_running_loop(), node.StateHub(),
+                                 None, None)  # type: ignore[arg-type]
+
+    with pytest.raises(_Built):
+        asyncio.run(go())
+    assert seen["batch_wait"] == pytest.approx(250e-6)
