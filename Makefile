@@ -27,13 +27,18 @@ run: $(STAMP)
 down: $(STAMP)
 	$(KPX) lab down
 
+PARALLEL_TESTS = tests/unit tests/bench tests/dataplane tests/healthz tests/test_deploy.py \
+	tests/test_compose.py
+
 test: $(STAMP) lint
-	# On both cores: the pure unit tests, and the bench's, which check that each
+	# On both cores: the pure unit tests; the bench's, which check that each
 	# figure exists and is sane, never how fast (each bench topology has its own
-	# namespaces, kb<pid>-*). Then the rest, whose timing-sensitive lab checks
-	# (drop windows, UDP cadence) get the machine to themselves.
-	$(PY) -m pytest -q -n 2 tests/unit tests/bench
-	$(PY) -m pytest -q --ignore=tests/unit --ignore=tests/bench
+	# namespaces, kb<pid>-*); the single-node dataplane and healthz tests (each
+	# in namespaces of its own) and the manifest checks. Then the multi-node
+	# lab, whose timing-sensitive checks (drop windows, UDP cadence) get the
+	# machine to themselves.
+	$(PY) -m pytest -q -n 2 $(PARALLEL_TESTS)
+	$(PY) -m pytest -q $(addprefix --ignore=,$(PARALLEL_TESTS))
 
 # ruff, then the import contracts in pyproject.toml: the pure core imports no
 # I/O or shell, healthz nothing of proxy, lab and bench neither.
