@@ -21,7 +21,7 @@ from lab import Lab, netns
 from lab.common import wait_until
 from tests.support.labkit import lab_spec, service, wait_applied, who
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.serial]
 
 LabFactory = Callable[..., Lab]
 NODE = "node2"

@@ -323,6 +323,7 @@ def test_client_ip_affinity_sticks_expires_and_switches_off(lab_factory: LabFact
 # ------------------------------------------------------------------ 7. live changes
 
 
+@pytest.mark.serial
 @pytest.mark.lab
 @over_both_families
 def test_state_file_changes_apply_within_a_second_and_delete_leaves_no_listener(
@@ -542,6 +543,7 @@ def test_refused_backend_is_retried_on_another_endpoint(lab_factory: LabFactory)
 # ------------------------------------------------------------------ 10. malformed state
 
 
+@pytest.mark.serial
 @pytest.mark.lab
 def test_malformed_state_is_refused_with_a_clear_message_and_the_last_good_state_serves(
         lab_factory: LabFactory, one_pod_spec: SpecFactory) -> None:

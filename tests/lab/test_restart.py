@@ -36,7 +36,7 @@ from lab import netns
 from lab.common import wait_until
 from tests.support.labkit import connect_outcome
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.serial]
 
 NODE = "node1"
 

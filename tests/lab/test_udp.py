@@ -38,7 +38,7 @@ from tests.support.labkit import (
 )
 from tests.support.probes import PORT_UNREACHABLE, udp_answers
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.serial]
 
 LabFactory = Callable[..., Lab]
 

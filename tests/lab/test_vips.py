@@ -407,6 +407,7 @@ def test_a_proxy_mode_lb_ip_is_not_intercepted_and_the_syn_reaches_the_lb(
 # ------------------------------------------------------------------ 8. live changes
 
 
+@pytest.mark.serial
 def test_flipping_the_internal_traffic_policy_applies_within_a_second(
         lab_factory: LabFactory) -> None:
     spec = vip_spec(cluster_ip_service(itp="Local"))
@@ -426,6 +427,7 @@ def test_flipping_the_internal_traffic_policy_applies_within_a_second(
     assert lab.request("c1", cip, 80)["pod"] == "web-1"
 
 
+@pytest.mark.serial
 def test_flipping_the_ip_mode_applies_within_a_second(lab_factory: LabFactory) -> None:
     spec = vip_spec(lb_service("Cluster"), lb=lb_section("VIP"))
     lab = up(lab_factory, spec)
@@ -452,6 +454,7 @@ def test_flipping_the_ip_mode_applies_within_a_second(lab_factory: LabFactory) -
     assert took < CHANGE_LIMIT, f"Proxy->VIP traffic took {took:.2f}s"
 
 
+@pytest.mark.serial
 def test_deleting_a_service_removes_its_vip_routes_and_listeners_within_a_second(
         lab_factory: LabFactory) -> None:
     svc = service("web", "Cluster", externalIPs=[EXT_LOCAL])
@@ -510,6 +513,7 @@ def firewall_drops(lab: Lab, node: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+@pytest.mark.serial
 def test_lb_source_ranges_drop_a_source_outside_them_until_an_apply_takes_it_in(
         lab_factory: LabFactory) -> None:
     """kube-proxy's firewall on the LB ingress IP, its NodePort and ClusterIP left open.

@@ -21,7 +21,7 @@ import pytest
 from lab.common import wait_until
 from tests.support.labkit import FamilyLab, over_both_families
 
-pytestmark = pytest.mark.lab
+pytestmark = [pytest.mark.lab, pytest.mark.serial]
 
 
 def _three_pods(affinity: bool) -> dict[str, Any]:
