@@ -523,9 +523,12 @@ ISSUE15_TARGETS: tuple[Target, ...] = (
 kernel DNAT (and HAProxy for cps), the relay against HAProxy. The relay's rr and cps
 rows are for the cross path only, as the issue states them (issue 5 judges them on
 every path); the connect row is the one difference target."""
-TARGET_SECTIONS: tuple[tuple[int, tuple[Target, ...]], ...] = ((5, TARGETS),
-                                                               (15, ISSUE15_TARGETS))
-"""Each issue's rows, in print order: one "== issue N targets ==" table each."""
+TARGET_SECTIONS: tuple[tuple[int, tuple[Target, ...]], ...] = tuple(
+    (issue, tuple(t for t in TARGETS + ISSUE15_TARGETS if t.issue == issue))
+    for issue in dict.fromkeys(t.issue for t in TARGETS + ISSUE15_TARGETS))
+"""Each issue's rows, in print order: one "== issue N targets ==" table each. The
+numbers come from the rows (``Target.issue``), so a row cannot land under another
+issue's heading."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import report, scaleprobe
+from bench import cli, report, scaleprobe
 from bench.contenders import CONTENDER_ORDER, serves
 from bench.results import (
     DEFAULT_WORKLOADS,
@@ -171,6 +171,14 @@ def test_the_runner_plans_connect_for_every_tcp_contender() -> None:
     per_run = (bench.estimate_seconds() - 10.0 - starts) / runs
     assert 2.5 < per_run < 4.0
 
+
+
+def test_a_config_made_in_code_runs_what_the_cli_runs_by_default() -> None:
+    """``Config()`` is what ``kpx bench`` alone runs: both kpx modes, so issue 15's
+    kpx-nfq rows are measured, not NOT MEASURED, by a harness built in code."""
+    made, default = Config(), cli.build_config(cli.parse([]))
+    assert (made.workloads, made.contenders) == (default.workloads, default.contenders)
+    assert {"kpx", "kpx-nfq"} <= set(made.contenders)
 
 # ---- issue 15's targets ---------------------------------------------------------------
 
