@@ -115,9 +115,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "endpoint behind node2); default local,cross, quick local")
     parser.add_argument("--families", type=_families, metavar="LIST",
                         help="address families of the data-path runs: comma list of 4,6 "
-                             "(default 4). 6 runs rr and cps over IPv6 on the NodePort paths "
-                             "(local, cross) and, with 4,6, reports each kpx ratio over IPv6 "
-                             "against the same over IPv4 (issue 14)")
+                             "(default 4). 6 runs rr, cps and connect over IPv6 on the "
+                             "NodePort paths (local, cross) and, with 4,6, reports each kpx "
+                             "ratio over IPv6 against the same over IPv4 (issue 14)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",
                         help=f"where the JSON and PNGs go (default {RESULTS_DIR})")
     parser.add_argument("--pause", type=float, metavar="S",

@@ -104,8 +104,9 @@ DATA_WORKLOADS = ("bulk", "rr", "cps", "connect", "mem", "udp")
 
 FAMILIES = (4, 6)
 """``--families`` values: IPv4 and IPv6."""
-IPV6_WORKLOADS = ("rr", "cps")
-"""The workloads run over IPv6 as well (issue 14); the others stay IPv4-only."""
+IPV6_WORKLOADS = ("rr", "cps", "connect")
+"""The workloads run over IPv6 as well (issue 14; connect, issue 15's light-load time,
+too): the others stay IPv4-only."""
 IPV6_PATHS = ("local", "cross")
 """The paths run over IPv6: the NodePort ones."""
 IPV6_SUFFIX = "/ipv6"

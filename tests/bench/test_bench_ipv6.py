@@ -79,7 +79,7 @@ def test_families_both_keeps_every_workload_and_path() -> None:
 
 def test_ipv6_alone_narrows_the_defaults_and_refuses_ipv4_only_asks() -> None:
     cfg = cli.build_config(parse("--families", "6"))
-    assert cfg.families == [6] and cfg.workloads == ["rr", "cps"]
+    assert cfg.families == [6] and cfg.workloads == ["rr", "cps", "connect"]
     assert cfg.paths == ["local", "cross"]
     with pytest.raises(cli.ConfigError, match=r"--families 6: mem run over IPv4 only"):
         cli.build_config(parse("--families", "6", "--workloads", "rr,mem"))
@@ -407,7 +407,7 @@ def kpx_executable() -> str:
 
 @pytest.mark.lab
 @pytest.mark.timeout(200)
-def test_rr_and_cps_over_both_families_in_one_run(tmp_path: Path) -> None:
+def test_rr_cps_and_connect_over_both_families_in_one_run(tmp_path: Path) -> None:
     require_root()
     missing = [t for t in ("ip", "nft", "haproxy", "wrk", "sysctl") if shutil.which(t) is None]
     if missing:
@@ -415,9 +415,10 @@ def test_rr_and_cps_over_both_families_in_one_run(tmp_path: Path) -> None:
     from bench.results import load
 
     cfg = Config(quick=True, runs=1, paths=["local"], mem_paths=["local"],
-                 workloads=["rr", "cps"], contenders=["kernel", "haproxy", "kpx"],
+                 workloads=["rr", "cps", "connect"], contenders=["kernel", "haproxy", "kpx"],
                  families=[4, 6], out=tmp_path, kpx=kpx_executable(),
-                 settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0}, pause=0.1))
+                 settings=Settings(durations={"bulk": 1.0, "rr": 1.0, "cps": 1.0}, pause=0.1,
+                                   connect_count=100))
     out = io.StringIO()
     bench = Bench(cfg, stream=out)
     try:
@@ -434,9 +435,13 @@ def test_rr_and_cps_over_both_families_in_one_run(tmp_path: Path) -> None:
                 cell = table.get(path, w, who)
                 assert cell is not None and cell.status == "ok", (path, w, who, cell)
                 assert cell.median("req_per_s" if w == "rr" else "conn_per_s") > 0
-    for w in ("rr", "cps"):  # kpx serves IPv6 NodePorts since issue 14's dataplane
+    for w in ("rr", "cps", "connect"):  # kpx serves IPv6 NodePorts since issue 14
         cell = table.get("local/ipv6", w, "kpx")
         assert cell is not None and cell.status == "ok", (cell and cell.to_json(), text)
+    for who in ("kernel", "haproxy", "kpx"):  # connect() over IPv6 went to node1's IPv6
+        cell = table.get("local/ipv6", "connect", who)
+        assert cell is not None and cell.status == "ok", (who, cell and cell.to_json())
+        assert cell.median("connect_p50_us") > 0 and cell.runs[0].detail["connected"] == 100
     assert doc["topology"]["ipv6"]["node1"] == NODE1_IP6
     rows = {(f["name"], f["metric"]): f for f in doc["family_ratios"]}
     assert set(rows) == {(f"kpx/{r}", m) for r in ("haproxy", "kernel")

@@ -138,6 +138,19 @@ def test_connects_one_at_a_time_with_the_pause_and_leave_no_time_wait(
     assert not [s for s in read_tcp_table() if s[1] == port and s[2] == "TIME_WAIT"]
 
 
+
+def test_connects_over_ipv6_to_an_ipv6_address() -> None:
+    """An IPv6 target (``--families 6``) is dialled over IPv6: an IPv4 socket could not
+    even try, and every connect would count as an error."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this kernel")
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as srv:
+        srv.bind(("::1", 0))
+        srv.listen(64)
+        got = scaleprobe.connect_times(["::1"] * 5, srv.getsockname()[1], 1.0, 10.0, 0.001)
+    assert got["error_count"] == 0, got["errors"]
+    assert len(got["ms"]) == 5 and all(0 < x < 1000 for x in got["ms"])
+
 def test_the_job_carries_the_pause_and_the_deadline_stops_the_loop(
         loopback_listener: int) -> None:
     job = {"port": loopback_listener, "timeout": 1.0, "latency": ["127.0.0.1"] * 1000,
