@@ -438,7 +438,7 @@ def test_rr_cps_and_connect_over_both_families_in_one_run(tmp_path: Path) -> Non
     for w in ("rr", "cps", "connect"):  # kpx serves IPv6 NodePorts since issue 14
         cell = table.get("local/ipv6", w, "kpx")
         assert cell is not None and cell.status == "ok", (cell and cell.to_json(), text)
-    for who in ("kernel", "haproxy", "kpx"):  # connect() over IPv6 went to node1's IPv6
+    for who in ("kernel", "haproxy", "kpx"):  # an IPv4 socket cannot dial an IPv6 target
         cell = table.get("local/ipv6", "connect", who)
         assert cell is not None and cell.status == "ok", (who, cell and cell.to_json())
         assert cell.median("connect_p50_us") > 0 and cell.runs[0].detail["connected"] == 100
