@@ -524,9 +524,10 @@ ISSUE15_TARGETS: tuple[Target, ...] = (
 kernel DNAT (and HAProxy for cps), the relay against HAProxy. The relay's rr and cps
 rows are for the cross path only, as the issue states them (issue 5 judges them on
 every path); the connect row is the one difference target."""
+_ALL_TARGETS = TARGETS + ISSUE15_TARGETS
 TARGET_SECTIONS: tuple[tuple[int, tuple[Target, ...]], ...] = tuple(
-    (issue, tuple(t for t in TARGETS + ISSUE15_TARGETS if t.issue == issue))
-    for issue in dict.fromkeys(t.issue for t in TARGETS + ISSUE15_TARGETS))
+    (issue, tuple(t for t in _ALL_TARGETS if t.issue == issue))
+    for issue in dict.fromkeys(t.issue for t in _ALL_TARGETS))
 """Each issue's rows, in print order: one "== issue N targets ==" table each. The
 numbers come from the rows (``Target.issue``), so a row cannot land under another
 issue's heading."""

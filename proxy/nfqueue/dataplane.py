@@ -90,6 +90,7 @@ busy node's SYNs to come in batches (docs/PERFORMANCE.md, "SYN batches")."""
 MAX_BATCH_WAIT = 0.01
 """Past this, a wait is a delay users would see on every connection of a busy node,
 and stopping the reader would wait it out."""
+
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
