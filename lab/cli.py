@@ -121,15 +121,17 @@ def _attach(args: argparse.Namespace) -> Lab:
     return Lab.attach(_run_dir(args))
 
 
-PROXY_MODULES = ("proxy.commands.node", "proxy.userspace.dataplane")
-"""What ``kpx node`` needs importable (CONTRACTS.md: node wires source, hub, dataplane)."""
+PROXY_MODULES = ("proxy.commands.node", "proxy.commands.wiring")
+"""What ``kpx node`` needs importable: its flags and claim, then the wiring of source, hub,
+proxier and dataplane (CONTRACTS.md)."""
 
 
 def proxies_available() -> tuple[bool, str]:
     """Whether ``kpx node`` can start here, checked in a child so nothing leaks into us.
 
-    ``proxy.commands.node`` imports the dataplane lazily, so importing it alone proves
-    little; the dataplane module is what is still missing while it is written.
+    ``proxy.commands.node`` imports the rest of kpx only once it has claimed the
+    namespace, so importing it alone proves little; ``proxy.commands.wiring`` imports
+    the dataplane.
     """
     code = "; ".join(f"import {m}" for m in PROXY_MODULES)
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

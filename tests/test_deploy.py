@@ -25,7 +25,7 @@ from kubernetes_validate.utils import latest_version
 from packaging.version import Version
 
 from proxy.commands import node as node_command
-from proxy.sources.kubeapi import SERVICE_ACCOUNT_DIR, KubeConfig
+from proxy.sources.kubeconfig import SERVICE_ACCOUNT_DIR, KubeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "deploy" / "kpx.yaml"

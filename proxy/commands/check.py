@@ -16,17 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from proxy.commands.node import add_max_bytes_flag
 from proxy.k8s import StateError, decode_state, parse_state
-from proxy.sources.statefile import DEFAULT_MAX_BYTES, StateReadError, StateUnstable, read_state
-
-
-def add_max_bytes_flag(parser: argparse.ArgumentParser) -> None:
-    """``--state-max-bytes``, shared by ``kpx node``, ``kpx healthz`` and ``kpx check``."""
-    parser.add_argument(
-        "--state-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="BYTES",
-        help="refuse a state file larger than this (default 128 MiB; 30,000 NodePort"
-        " services x 3 endpoints are 26 MB of kubectl-style YAML, 52 MB as a kind: List)",
-    )
+from proxy.sources.statefile import StateReadError, StateUnstable, read_state
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -20,16 +20,11 @@ import signal
 
 from healthz.proxy_health import ProxyHealth
 from healthz.sidecar import Sidecar
-from proxy.commands.node import (
-    add_node_flags,
-    make_source,
-    run_on_uvloop,
-    start_source,
-    sync_config,
-)
+from proxy.commands.node import add_node_flags
+from proxy.commands.wiring import make_source, run_on_uvloop, start_source, sync_config
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
-from proxy.sources.kubeapi import KubeConfigError
+from proxy.sources.kubeconfig import KubeConfigError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from proxy.k8s import StateError, parse_objects
-from proxy.sources.kubeapi import PAGE_SIZE, KubeConfig, KubeConfigError
+from proxy.sources.kubeapi import PAGE_SIZE
+from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
 from proxy.sources.snapshot import SnapshotError, render, take_snapshot
 
 

@@ -7,7 +7,7 @@ reload (``expose-fd listeners``) and nginx's binary upgrade pass their
 listening sockets: the socket itself moves, so its accept queue is never
 dropped and there is no moment without a listener.
 
-Never: decide when to hand over (``proxy.lifecycle.ownership``, ``proxy.commands.node``) or
+Never: decide when to hand over (``proxy.lifecycle.ownership``, ``proxy.commands.wiring``) or
 touch a listener (``proxy.userspace.dataplane``). Received fds are returned raw; a
 frame that does not parse, or descriptors the kernel had to truncate
 (``MSG_CTRUNC``), abort the handover with ``HandoverError``, closing every

@@ -78,18 +78,12 @@ from proxy import metrics
 from proxy.core.balancer import Balancer
 from proxy.core.decision import Drop, Forward, PlanKey, PortPlan, decide
 from proxy.core.sync import SyncResult, empty_result
+from proxy.defaults import DEFAULT_BATCH_WAIT
 from proxy.lifecycle.ownership import live_pids
 from proxy.nfqueue import conntrack, netlink, rules
 from proxy.util import spawn
 from proxy.util.background import background_executor, loop_first
 from proxy.util.lograte import RateLimitedLog
-
-DEFAULT_BATCH_WAIT = 100e-6
-"""``--queue-batch-wait``: short beside a connection's own round trips, long enough for a
-busy node's SYNs to come in batches (docs/PERFORMANCE.md, "SYN batches")."""
-MAX_BATCH_WAIT = 0.01
-"""Past this, a wait is a delay users would see on every connection of a busy node,
-and stopping the reader would wait it out."""
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -26,7 +26,8 @@ from typing import Any
 import yaml
 
 from proxy.sources.hub import StateHub
-from proxy.sources.kubeapi import PAGE_SIZE, APIError, KubeAPISource, KubeConfig, ListError
+from proxy.sources.kubeapi import PAGE_SIZE, APIError, KubeAPISource, ListError
+from proxy.sources.kubeconfig import KubeConfig
 
 NOISE_ANNOTATIONS = frozenset({"kubectl.kubernetes.io/last-applied-configuration"})
 """An annotation that repeats the whole object as it was last applied."""

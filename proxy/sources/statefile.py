@@ -68,6 +68,7 @@ from pathlib import Path
 
 from proxy import metrics
 from proxy.core.model import Snapshot
+from proxy.defaults import DEFAULT_MAX_BYTES
 from proxy.k8s import StateError, StateParser, decode_state
 from proxy.sources.hub import StateHub
 from proxy.util.background import background_executor, loop_first
@@ -107,10 +108,6 @@ connection pays for them from then on, thread joined or not
 needs the loader thread; a big state pays that cost, and would stall the
 loop for seconds without the thread."""
 
-DEFAULT_MAX_BYTES = 128 << 20
-"""``--state-max-bytes``: 30,000 NodePort services x 3 endpoints are 26 MB as the
-bench renders them (kubectl-style multi-document YAML) and 52 MB as a
-``kind: List`` with uids and resourceVersions; 128 MiB leaves room above both."""
 
 FREEZE_AFTER_DOCUMENTS = 5000
 """Freshly decoded documents above which a new state is moved to the GC's permanent

@@ -70,10 +70,9 @@ from proxy.core.balancer import Balancer
 from proxy.core.decision import PlanKey, PortPlan
 from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM, FlowTable
 from proxy.core.sync import SyncResult
+from proxy.defaults import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED, UDP_FLOW_LIMIT
 from proxy.userspace import synfilter
 from proxy.userspace.forwarder import (
-    TCP_TIMEOUT_CLOSE_WAIT,
-    TCP_TIMEOUT_ESTABLISHED,
     Forwarder,
     PortMetrics,
     PortState,
@@ -96,8 +95,6 @@ from proxy.util.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
-UDP_FLOW_LIMIT = 4096
-"""Default ``--udp-flow-limit``: a socket each, next to the TCP relays' two per connection."""
 LOG_EACH_LISTENER_UP_TO = 32
 VIPS_SETTLE = 5.0
 """Seconds a stopping kpx lets a VIP change in flight finish before cancelling it."""

@@ -113,6 +113,7 @@ from typing import Any, NamedTuple
 from proxy import metrics
 from proxy.core.balancer import Balancer
 from proxy.core.decision import Drop, Forward, PortPlan, decide
+from proxy.defaults import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED
 from proxy.userspace.transparent import upstream_socket
 from proxy.util.lograte import RateLimitedLog
 
@@ -219,10 +220,6 @@ READ_SIZE = 256 * 1024
 most one unsent read per direction, copied out of the shared buffer."""
 METRICS_FLUSH_INTERVAL = 1.0
 """Seconds between batches of counter updates to Prometheus (scrapes lag by at most this)."""
-TCP_TIMEOUT_ESTABLISHED = 24 * 3600.0
-"""kube-proxy's ``--conntrack-tcp-timeout-established`` default: idle seconds before a reset."""
-TCP_TIMEOUT_CLOSE_WAIT = 3600.0
-"""kube-proxy's ``--conntrack-tcp-timeout-close-wait`` default: idle seconds after a FIN."""
 SWEEP_MAX_INTERVAL = 30.0
 """Longest wait between idle sweeps: how late past its timeout a connection may expire."""
 LOG_WINDOW = 10.0

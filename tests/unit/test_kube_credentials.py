@@ -27,7 +27,8 @@ import yaml
 
 from proxy.cli import main as kpx_main
 from proxy.sources.hub import StateHub
-from proxy.sources.kubeapi import KubeAPISource, KubeConfig, KubeConfigError
+from proxy.sources.kubeapi import KubeAPISource
+from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
 from tests.support.apiserver import FakeAPIServer
 from tests.support.objects import endpoint_slice, node, service
 from tests.support.pki import make_pki
@@ -468,7 +469,7 @@ def test_kubernetes_asyncio_is_imported_only_for_the_api_source(tmp_path: Path) 
         "import proxy.cli, proxy.commands.node, proxy.commands.snapshot, proxy.commands.check\n"
         "import proxy.sources.kubeapi, proxy.sources.snapshot, proxy.sources.statefile\n"
         "import proxy.proxier\n"
-        "from proxy.sources.kubeapi import KubeConfig\n"
+        "from proxy.sources.kubeconfig import KubeConfig\n"
         "KubeConfig.load(None, 'https://127.0.0.1:6443')\n"
         "before = sorted(m for m in sys.modules if m.startswith('kubernetes_asyncio'))\n"
         f"KubeConfig.load({str(path)!r})\n"

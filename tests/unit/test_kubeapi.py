@@ -34,10 +34,9 @@ from proxy.sources.kubeapi import (
     PROXY_LABEL_SELECTOR,
     APIError,
     KubeAPISource,
-    KubeConfig,
-    KubeConfigError,
     _Backoff,
 )
+from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
 from tests.support.apiserver import FakeAPIServer
 from tests.support.objects import endpoint_slice, node, service
 from tests.support.pki import make_pki

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import proxy.commands.node
-from proxy.commands import node
+import proxy.commands.wiring
+from proxy.commands import node, wiring
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -61,12 +62,12 @@ def test_serve_passes_both_to_the_dataplane(
         seen.update(kwargs)
         raise _Built
 
-    monkeypatch.setattr(proxy.commands.node, "Dataplane", fake_dataplane)
+    monkeypatch.setattr(proxy.commands.wiring, "Dataplane", fake_dataplane)
     args = parse("--state", str(tmp_path / "state.yaml"), "--no-healthz",
                  "--conntrack-tcp-timeout-established", "90s",
                  "--conntrack-tcp-timeout-close-wait", "0")
     with pytest.raises(_Built):
-        asyncio.run(node.serve(args))
+        asyncio.run(wiring.serve(args))
     assert seen["tcp_timeout_established"] == 90.0
     assert seen["tcp_timeout_close_wait"] == 0.0
 
@@ -105,13 +106,13 @@ def test_serve_nfqueue_hands_the_batch_wait_to_the_dataplane(
         seen.update(kwargs)
         raise _Built
 
-    monkeypatch.setattr(proxy.commands.node, "NfqueueDataplane", fake_dataplane)
-    monkeypatch.setattr(proxy.commands.node.conntrack, "apply", lambda settings: None)
+    monkeypatch.setattr(proxy.commands.wiring, "NfqueueDataplane", fake_dataplane)
+    monkeypatch.setattr(proxy.commands.wiring.conntrack, "apply", lambda settings: None)
     args = parse("--state", str(tmp_path / "state.yaml"), "--no-healthz",
                  "--proxy-mode", "nfqueue", "--queue-batch-wait", "250us")
 
     async def go() -> None:
-        await node.serve_nfqueue(args, asyncio.get_running_loop(), node.StateHub(),
+        await wiring.serve_nfqueue(args, asyncio.get_running_loop(), wiring.StateHub(),
                                  None, None)  # type: ignore[arg-type]
 
     with pytest.raises(_Built):

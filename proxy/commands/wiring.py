@@ -1,0 +1,392 @@
+"""``kpx node`` once it has claimed its network namespace: one node's proxy, wired together.
+
+Owns: the event loop, signals, and the wiring source -> hub -> proxier ->
+{dataplane, healthz}. One sync computes what each snapshot means and hands
+both the same result, so the healthCheckNodePort can never claim endpoints
+the dataplane does not forward to. ``proxy.commands.node`` checks the flags
+and claims the namespace first.
+
+Never: make a forwarding decision or touch a socket itself.
+
+Signals: SIGTERM stops accepting, lets established connections drain up to
+``--shutdown-grace``, then exits 0. SIGINT (Ctrl-C) does the same without
+waiting for a successor. SIGHUP re-reads the state file.
+
+One instance per network namespace (``proxy.lifecycle.ownership``): a second one exits
+at once. A restart is SIGTERM to the old one and a new ``kpx node`` started
+at once, and it refuses no connection: on SIGTERM the old one keeps
+accepting for up to ``--handover-wait`` (default 2s, at most
+``--shutdown-grace``) while it waits for a successor to ask for its NodePort
+listeners. One that asks receives the listening sockets themselves
+(``proxy.lifecycle.handover``), applies its first state, accepts on them and says
+so; only then does the old one stop accepting, close its health ports and
+pass the owner name; it drains meanwhile (it waits at most
+``--shutdown-grace`` for that "serving", then hands over anyway: the
+successor holds the queues). Without a successor the old one stops accepting
+when the wait is over, and new connections are refused from then on. The
+health ports (``/healthz``, healthCheckNodePorts, metrics) are closed and
+bound again, a blip health checkers tolerate. ``--workers N`` keeps the
+older way: the supervisor's workers close their listeners at SIGTERM and
+the new instance binds its own, a short refusal window. The return path stays
+until the last kpx of the namespace exits.
+
+IPv6: as kube-proxy's MetaProxier, a second dataplane serves the IPv6 family
+(``Dataplane(family=6)``), fed by the same sync (``Proxier(dataplane6=)``):
+it listens once the Node has an IPv6 address, serves the IPv6 service VIPs
+(``LocalVIPs(family=6)``, its own VIP guard), and a handover passes its
+sockets on with the IPv4 ones. Not made on a kernel without IPv6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+import uvloop
+
+from healthz.proxy_health import ProxyHealth
+from healthz.sidecar import Sidecar
+from proxy.commands.node import source_config
+from proxy.commands.workers import supervise
+from proxy.core.sync import SyncConfig
+from proxy.defaults import DEFAULT_MAX_BYTES
+from proxy.lifecycle.ownership import Ownership, Successor, live_pids
+from proxy.nfqueue import conntrack
+from proxy.nfqueue.dataplane import NfqueueDataplane
+from proxy.proxier import Proxier
+from proxy.sources.hub import StateHub
+from proxy.sources.kubeapi import KubeAPISource
+from proxy.sources.kubeconfig import KubeConfigError
+from proxy.sources.statefile import StateFileSource
+from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.transparent import ReturnPathGuard, RoutingConfig, TransparentRouting
+from proxy.userspace.vips import LocalVIPs, VIPGuard
+
+log = logging.getLogger(__name__)
+
+
+def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | KubeAPISource:
+    """The state file if one is named, else the Kubernetes API (as kube-proxy reads it).
+
+    Raises ``KubeConfigError`` (``node.source_config``)."""
+    config = source_config(args)
+    if config is None:
+        return StateFileSource(
+            args.state, hub, max_bytes=getattr(args, "state_max_bytes", DEFAULT_MAX_BYTES)
+        )
+    return KubeAPISource(config, hub, args.hostname_override)
+
+
+async def start_source(
+    source: StateFileSource | KubeAPISource, timeout: float
+) -> asyncio.Task[None]:
+    """Start following the source, with the first state applied when this returns.
+
+    Applying first means a node whose healthz answers already has its NodePorts
+    listening (bounded by ``timeout`` for the API, which may be unreachable).
+    A big file is read and parsed in a worker thread, as every later load is
+    (``StateFileSource.load_async``): ``kpx healthz`` already serves while it starts.
+    """
+    if isinstance(source, StateFileSource):
+        await source.load_async()
+    task = asyncio.create_task(source.run(), name="state-source")
+    if isinstance(source, KubeAPISource):
+        await source.wait_synced(timeout=timeout)
+    return task
+
+
+def sync_config(args: argparse.Namespace) -> SyncConfig:
+    """What the flags say about the rules, for the proxier's sync."""
+    return SyncConfig(
+        node_name=args.hostname_override,
+        masquerade_all=getattr(args, "masquerade_all", False),
+        nodeport_cidrs=tuple(args.nodeport_addresses or ()),
+        vips=True,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
+    # Bad flags or credentials fail here, before anything touches the namespace.
+    try:
+        source = make_source(args, hub)
+    except KubeConfigError as e:
+        log.error("%s", e)
+        return 2
+    workers = max(1, args.workers)
+    worker_index = getattr(args, "worker_index", 0)
+    ownership: Ownership | None = getattr(args, "ownership", None)
+    # A successor holds the listening sockets of the kpx node it takes over
+    # from; its first sync adopts them instead of binding new ones.
+    claim = ownership.claim if ownership is not None else None
+    if args.proxy_mode == "nfqueue":
+        return await serve_nfqueue(args, loop, hub, source, ownership)
+    # ClusterIPs, externalIPs and VIP-mode LB IPs become local addresses of
+    # the node (proxy.userspace.vips), as IPVS mode does with kube-ipvs0.
+    local_vips = LocalVIPs()
+    inherited = dict(claim.take_listeners()) if claim is not None else {}
+    common: dict[str, Any] = dict(
+        loop=loop,
+        transparent=not args.no_transparent,
+        connect_timeout=args.connect_timeout,
+        cluster_cidrs=args.cluster_cidr,
+        reuse_port=workers > 1,
+        workers=workers,
+        install_routing=workers == 1,
+        tcp_timeout_established=args.conntrack_tcp_timeout_established,
+        tcp_timeout_close_wait=args.conntrack_tcp_timeout_close_wait,
+        udp_timeout=args.conntrack_udp_timeout,
+        udp_timeout_stream=args.conntrack_udp_timeout_stream,
+        udp_flow_limit=args.udp_flow_limit,
+    )
+    dataplane = Dataplane(
+        **common,
+        inherited={k: s for k, s in inherited.items() if ":" not in k[0]},
+        local_vips=local_vips,
+        vip_port=getattr(args, "vip_port", 0),
+        health=hub.health,
+    )
+    if getattr(args, "no_transparent6", False):
+        # A --workers supervisor could not install the IPv6 return path: SNAT.
+        common = {**common, "transparent": False}
+    # The IPv6 family's VIPs (IPv6 ClusterIPs, externalIPs, LB IPs): its own
+    # routes, ip6 table and sk_lookup program, steered to a listener on ::1.
+    local_vips6 = LocalVIPs(family=6) if ipv6_available() else None
+    dataplane6 = Dataplane(
+        **common, inherited={k: s for k, s in inherited.items() if ":" in k[0]}, family=6,
+        local_vips=local_vips6, vip_port=getattr(args, "vip_port6", 0), health=hub.health,
+    ) if local_vips6 is not None else None
+    planes = [dp for dp in (dataplane, dataplane6) if dp is not None]
+    sidecar = None
+    if not args.no_healthz and worker_index == 0:
+        sidecar = Sidecar.from_flags(hub.health, args)
+    Proxier(
+        sync_config(args),
+        dataplane=dataplane,
+        dataplane6=dataplane6,
+        services=sidecar.services if sidecar is not None else None,
+        health=hub.health,
+        healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
+    ).attach(hub)
+
+    watcher = await start_source(source, args.sync_period)
+
+    # The namespace's owner (worker 0 for --workers) keeps the return path
+    # whole, as kube-proxy re-syncs its rules every sync period.
+    if ownership is not None:
+        ownership.attach(loop)  # a successor attaches once it owns the name
+    vip_guards: list[asyncio.Task[None]] = []
+    if worker_index == 0:
+        for lv in (local_vips, local_vips6):
+            if lv is not None:
+                vip_guards.append(asyncio.create_task(
+                    VIPGuard(lv, hub.health, args.sync_period).run(),
+                    name=f"vip-guard-ipv{lv.family}"))
+    guards: list[asyncio.Task[None]] = []
+    for dp in planes:
+        if dp.transparent_active and worker_index == 0:
+            routing = TransparentRouting(RoutingConfig(family=dp.family))
+            guards.append(asyncio.create_task(
+                ReturnPathGuard(routing, hub.health, args.sync_period).run(),
+                name=f"return-path-guard-ipv{dp.family}",
+            ))
+
+    sidecar_started = False
+
+    async def start_sidecar() -> None:
+        nonlocal sidecar_started
+        if sidecar is not None:
+            sidecar_started = True
+            await sidecar.start()
+
+    async def take_over() -> None:
+        """A successor: say "serving" once synced, then own the name and the health ports."""
+        assert ownership is not None
+        await ownership.take_over(synced(planes))
+        ownership.attach(loop)
+        await start_sidecar()  # the old one has closed its health ports by now
+
+    takeover: asyncio.Task[None] | None = None
+    if claim is not None:
+        takeover = asyncio.create_task(take_over(), name="take-over")
+    else:
+        await start_sidecar()
+
+    interrupted, stopper = await run_until_stopped(loop, args, source, watcher, "")
+
+    if takeover is not None and not takeover.done():
+        takeover.cancel()
+        await asyncio.gather(takeover, return_exceptions=True)
+    for guard in guards:
+        guard.cancel()  # only the owner repairs; a successor takes that over
+    for vip_guard in vip_guards:
+        vip_guard.cancel()
+    source.stop()
+
+    successor = None
+    offer = None
+    window = min(args.handover_wait, args.shutdown_grace)
+    if ownership is not None:
+        if workers == 1 and window > 0 and not interrupted.is_set():
+            offer = ownership.offer(loop)
+        if offer is None:
+            ownership.stopping()  # a successor started now waits for the owner name
+    if offer is not None:
+        log.info("stopping: accepting for up to %.1fs more while a new kpx node may take "
+                 "the listeners over", window)
+        waiting = asyncio.create_task(
+            offer.wait(lambda: [kv for dp in planes for kv in dp.listening_sockets()], window,
+                       args.shutdown_grace))
+        cut = asyncio.create_task(interrupted.wait())
+        await asyncio.wait({waiting, cut}, return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        if not waiting.done():  # SIGINT: stop now
+            waiting.cancel()
+        successor = (await asyncio.gather(waiting, return_exceptions=True))[0]
+        if not isinstance(successor, Successor):
+            successor = None
+    log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
+    for dp in planes:
+        await dp.stop_accepting()
+    if sidecar_started and sidecar is not None:
+        await sidecar.stop()
+    if successor is not None:
+        # Its accept loop runs on the very sockets this one just stopped
+        # watching; it gets the owner name (and binds the health ports).
+        await successor.finish()
+        log.info("handed this network namespace to kpx node pid %d; draining", successor.pid)
+    elif ownership is not None:
+        # Listeners and health ports are closed: a new kpx node binds them now,
+        # while this one drains on the return path they share.
+        ownership.release()
+        log.info("released this network namespace: a new kpx node may take over")
+    # Both families drain at once, within the one grace period.
+    await asyncio.gather(*(dp.drain(args.shutdown_grace) for dp in planes))
+    for dp in planes:
+        dp.close()  # removes the return path only if no other kpx is present
+    if offer is not None:
+        offer.close()
+    watcher.cancel()
+    stopper.cancel()
+    log.info("kpx node %s stopped", args.hostname_override)
+    return 0
+
+
+def ipv6_available() -> bool:
+    """Whether this kernel has IPv6 at all: else no IPv6 dataplane is made."""
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
+
+
+async def synced(planes: list[Dataplane]) -> None:
+    """Until every family's dataplane has reconciled its listeners once."""
+    for dp in planes:
+        await dp.synced.wait()
+
+
+async def run_until_stopped(
+    loop: asyncio.AbstractEventLoop, args: argparse.Namespace,
+    source: StateFileSource | KubeAPISource, watcher: asyncio.Task[Any], mode: str,
+) -> tuple[asyncio.Event, asyncio.Task[Any]]:
+    """Serve until SIGTERM or SIGINT, or until the state source dies; SIGHUP re-reads it.
+
+    Returns ``interrupted`` (set by SIGINT: stop now, no handover window) and
+    the task waiting for the signal, for the caller to cancel once stopped.
+    """
+    stop = asyncio.Event()
+    interrupted = asyncio.Event()
+
+    def interrupt() -> None:
+        interrupted.set()
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    loop.add_signal_handler(signal.SIGHUP, source.reload)
+    log.info("kpx node %s running%s (state from %s)", args.hostname_override, mode,
+             args.state or "the Kubernetes API")
+    stopper = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if watcher.done() and watcher.exception() is not None:
+        log.error("state source died", exc_info=watcher.exception())
+    return interrupted, stopper
+
+
+async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoop,
+                        hub: StateHub, source: StateFileSource | KubeAPISource,
+                        ownership: Ownership | None) -> int:
+    """``kpx node --proxy-mode nfqueue``: the same sync and healthz, a SYN-deciding dataplane.
+
+    A restart needs no socket handover: the old process gives the queue back
+    when it stops, the new one binds it (retrying meanwhile), and every
+    established connection keeps flowing in conntrack throughout. SYNs in
+    between are dropped (fail-closed) and retransmitted, or with
+    ``--queue-bypass`` pass undecided.
+    """
+    conntrack.apply(conntrack.Settings.from_flags(args))
+    dataplane = NfqueueDataplane(loop=loop, queue=args.queue_num, bypass=args.queue_bypass,
+                                 batch_wait=args.queue_batch_wait,
+                                 cluster_cidrs=args.cluster_cidr, health=hub.health)
+    sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
+    # One instance serves both families (one queue, one socket): it is the IPv6
+    # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
+    Proxier(sync_config(args), dataplane=dataplane,
+            dataplane6=dataplane if 6 in dataplane.families else None,
+            services=sidecar.services if sidecar is not None else None,
+            health=hub.health,
+            healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
+            ).attach(hub)
+    watcher = await start_source(source, args.sync_period)
+    if ownership is not None:
+        ownership.attach(loop)
+    if sidecar is not None:
+        await sidecar.start()
+    interrupted, stopper = await run_until_stopped(loop, args, source, watcher,
+                                                   " in nfqueue mode")
+    source.stop()
+    if ownership is not None:
+        ownership.stopping()
+    await dataplane.stop_accepting()  # the queue is free for a successor from here
+    if sidecar is not None:
+        await sidecar.stop()
+    if ownership is not None:
+        ownership.release()
+        # A rolling restart's successor announces itself once it has the owner
+        # name: wait for it a moment, so the rules stay. Removing them would
+        # unhook NAT from every established connection until it reinstalls
+        # them, and reset those connections.
+        window = 0.0 if interrupted.is_set() else min(args.handover_wait, args.shutdown_grace)
+        deadline = loop.time() + window
+        while loop.time() < deadline and not live_pids() - {os.getpid()}:
+            await asyncio.sleep(0.05)
+    dataplane.close()  # removes the rules only if no other kpx is present
+    watcher.cancel()
+    stopper.cancel()
+    log.info("kpx node %s stopped", args.hostname_override)
+    return 0
+
+
+def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` on uvloop, the loop kube-proxy's userspace relay needs to keep up."""
+    return uvloop.run(main)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    return run_on_uvloop(serve(args))
+
+
+def serve_claimed(args: argparse.Namespace) -> int:
+    """Serve the namespace ``node.run`` claimed: in this process, or in ``--workers`` forks."""
+    if args.workers > 1:
+        return supervise(args, run_worker)
+    return run_worker(args)
