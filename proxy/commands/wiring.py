@@ -111,6 +111,20 @@ def sync_config(args: argparse.Namespace) -> SyncConfig:
     )
 
 
+def attach_proxier(args: argparse.Namespace, hub: StateHub, sidecar: Sidecar | None,
+                   dataplane: Dataplane | NfqueueDataplane,
+                   dataplane6: Dataplane | NfqueueDataplane | None) -> None:
+    """The one sync, subscribed to ``hub``: the dataplanes' plans and healthz's plain data."""
+    Proxier(
+        sync_config(args),
+        dataplane=dataplane,
+        dataplane6=dataplane6,
+        services=sidecar.services if sidecar is not None else None,
+        health=hub.health,
+        healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
+    ).attach(hub)
+
+
 async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
@@ -167,14 +181,7 @@ async def serve(args: argparse.Namespace) -> int:
     sidecar = None
     if not args.no_healthz and worker_index == 0:
         sidecar = Sidecar.from_flags(hub.health, args)
-    Proxier(
-        sync_config(args),
-        dataplane=dataplane,
-        dataplane6=dataplane6,
-        services=sidecar.services if sidecar is not None else None,
-        health=hub.health,
-        healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
-    ).attach(hub)
+    attach_proxier(args, hub, sidecar, dataplane, dataplane6)
 
     watcher = await start_source(source, args.sync_period)
 
@@ -340,12 +347,8 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
     # One instance serves both families (one queue, one socket): it is the IPv6
     # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
-    Proxier(sync_config(args), dataplane=dataplane,
-            dataplane6=dataplane if 6 in dataplane.families else None,
-            services=sidecar.services if sidecar is not None else None,
-            health=hub.health,
-            healthz_ipv6=sidecar.serve_healthz_ipv6 if sidecar is not None else None,
-            ).attach(hub)
+    attach_proxier(args, hub, sidecar, dataplane,
+                   dataplane if 6 in dataplane.families else None)
     watcher = await start_source(source, args.sync_period)
     if ownership is not None:
         ownership.attach(loop)
