@@ -162,12 +162,18 @@ def rss_bytes(pids: Sequence[int]) -> int:
     return total
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """utime+stime of ``pids`` in seconds, from /proc/<pid>/stat."""
-    total = 0
+def cpu_times(pids: Sequence[int]) -> tuple[float, float]:
+    """(utime, stime) of ``pids`` in seconds, from /proc/<pid>/stat: user and kernel."""
+    user = kernel = 0
     for p in pids:
         with contextlib.suppress(OSError):
             stat = Path(f"/proc/{p}/stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / CLK_TCK
+            user += int(fields[11])
+            kernel += int(fields[12])
+    return user / CLK_TCK, kernel / CLK_TCK
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """utime+stime of ``pids`` in seconds, from /proc/<pid>/stat."""
+    return sum(cpu_times(pids))

@@ -63,7 +63,7 @@ from bench.contenders import (
     serves,
 )
 from bench.control import ControlSettings, run_control
-from bench.procs import cpu_seconds, machine_jiffies, nofile_hard_limit
+from bench.procs import cpu_times, machine_jiffies, nofile_hard_limit
 from bench.results import (
     DEFAULT_WORKLOADS,
     IPV6_PATHS,
@@ -118,17 +118,23 @@ class CpuUsage:
     proxy from a saturated machine. CPU per request or connection is the
     proxy's own cost, and the machine's busy share says whether anything was
     left for it (a second worker cannot help when it is near 100%).
+
+    The kernel's share of it is kept apart (``*_kernel_us``): a proxy that
+    terminates both connections pays the kernel for each, and that part is a
+    floor no user-space speed-up removes (docs/PERFORMANCE.md, "The relay against
+    HAProxy on cps").
     """
 
     contender: Contender
-    cpu0: float
+    user0: float
+    kernel0: float
     busy0: int
     total0: int
 
     @classmethod
     def start(cls, c: Contender) -> CpuUsage:
         busy, total = machine_jiffies()
-        return cls(c, cpu_seconds(c.pids()), busy, total)
+        return cls(c, *cpu_times(c.pids()), busy, total)
 
     def finish(self, workload: str, run: Run) -> None:
         c = self.contender
@@ -138,11 +144,16 @@ class CpuUsage:
                 100 * (busy - self.busy0) / (total - self.total0), 1)
         if not c.has_process or not run.ok:
             return
-        cpu = cpu_seconds(c.pids()) - self.cpu0
+        user, kernel = cpu_times(c.pids())
+        kernel -= self.kernel0
+        cpu = user - self.user0 + kernel
         run.detail["proxy_cpu_s"] = round(cpu, 2)
+        run.detail["proxy_kernel_s"] = round(kernel, 2)
         requests = run.detail.get("requests")
         if workload in ("rr", "cps", "udp") and requests:
             run.metrics[f"{workload}_cpu_us"] = round(cpu / requests * 1e6, 1)
+            if workload != "udp":
+                run.metrics[f"{workload}_kernel_us"] = round(kernel / requests * 1e6, 1)
 
 
 class Display:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,6 +215,46 @@ def test_cpu_per_request_is_the_contenders_cpu_over_requests() -> None:
     assert 250 <= run.metrics["rr_cpu_us"] <= 400
     assert 0 < run.detail["machine_busy_pct"] <= 100
     assert run.detail["proxy_cpu_s"] >= 0.25
+
+
+def _burn_in_user(seconds: float) -> None:
+    """User time: arithmetic, the clock read (a syscall) only every 100,000 steps."""
+    import time
+
+    end = time.process_time() + seconds
+    x = 0
+    while time.process_time() < end:
+        for i in range(100_000):
+            x ^= i
+
+
+def _burn_in_kernel(seconds: float) -> None:
+    """System time: the kernel zero-fills a buffer on every read of /dev/zero."""
+    import time
+
+    buf = bytearray(1 << 20)
+    end = time.process_time() + seconds
+    with open("/dev/zero", "rb", buffering=0) as zero:
+        while time.process_time() < end:
+            zero.readinto(buf)
+
+
+@pytest.mark.parametrize(("burn", "in_kernel"), [(_burn_in_user, False), (_burn_in_kernel, True)],
+                         ids=["user", "kernel"])
+def test_the_kernel_share_of_the_cpu_is_its_system_time(burn: Any, in_kernel: bool) -> None:
+    from bench.runner import CpuUsage
+
+    usage = CpuUsage.start(_Busy())  # type: ignore[arg-type]
+    burn(0.3)
+    run = Run(ok=True, metrics={"conn_per_s": 1.0}, detail={"requests": 1000})
+    usage.finish("cps", run)
+    cpu, kernel = run.metrics["cps_cpu_us"], run.metrics["cps_kernel_us"]
+    assert 250 <= cpu <= 400  # as above: 0.3 s over 1,000 connections
+    if in_kernel:
+        assert kernel >= 0.6 * cpu, run.metrics
+    else:
+        assert kernel <= 0.2 * cpu, run.metrics
+    assert run.detail["proxy_kernel_s"] == pytest.approx(kernel * 1000 / 1e6, abs=0.01)
 
 
 def test_cpu_is_not_claimed_for_failed_runs_or_kernel_contenders() -> None:
