@@ -20,7 +20,7 @@ import signal
 
 from healthz.proxy_health import ProxyHealth
 from healthz.sidecar import Sidecar
-from proxy.commands.node import add_node_flags
+from proxy.commands.node import add_node_flags, source_config
 from proxy.commands.wiring import make_source, run_on_uvloop, start_source, sync_config
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
@@ -39,7 +39,7 @@ async def serve(args: argparse.Namespace) -> int:
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
     sidecar = Sidecar.from_flags(hub.health, args)
     try:
-        source = make_source(args, hub)
+        source = make_source(args, hub, source_config(args))
     except KubeConfigError as e:
         log.error("%s", e)
         return 2

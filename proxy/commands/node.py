@@ -260,8 +260,8 @@ def source_config(args: argparse.Namespace) -> KubeConfig | None:
     """Where the state comes from, checked: None for ``--state``, else how to reach the API.
 
     Raises ``KubeConfigError`` for flags that exclude each other or credentials
-    that cannot be read. ``kpx node`` calls it before the claim, and
-    ``wiring.make_source`` again to build the source.
+    that cannot be read. ``kpx node`` calls it once, before the claim, and hands
+    the answer to ``wiring``, which builds the source from it.
     """
     if args.state is not None:
         if args.kubeconfig is not None or args.master is not None:
@@ -271,11 +271,8 @@ def source_config(args: argparse.Namespace) -> KubeConfig | None:
 
 
 def flag_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with ``kpx node``'s flags, as its error line; None when nothing is."""
-    try:
-        source_config(args)
-    except KubeConfigError as e:
-        return str(e)
+    """What is wrong with ``kpx node``'s other flags (``source_config`` checks the
+    source's), as its error line; None when nothing is."""
     if args.proxy_mode == "nfqueue" and args.workers > 1:
         return "--workers: nfqueue mode decides SYNs in one process (one queue); use --workers 1"
     if not 0 <= args.queue_num <= 0xFFFF:
@@ -351,7 +348,12 @@ def run(args: argparse.Namespace) -> int:
     its listening sockets here and ``wiring.serve`` adopts them.
     """
     raise_nofile_limit()
-    problem = flag_problem(args)  # before anything touches the namespace
+    try:  # every flag is checked before anything touches the namespace
+        config = source_config(args)
+    except KubeConfigError as e:
+        log.error("%s", e)
+        return 2
+    problem = flag_problem(args)
     if problem is not None:
         log.error("%s", problem)
         return 2
@@ -367,6 +369,6 @@ def run(args: argparse.Namespace) -> int:
         # Only now the rest of kpx: the module docstring says why.
         from proxy.commands import wiring
 
-        return wiring.serve_claimed(args)
+        return wiring.serve_claimed(args, config)
     finally:
         ownership.close()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -52,7 +53,6 @@ import uvloop
 
 from healthz.proxy_health import ProxyHealth
 from healthz.sidecar import Sidecar
-from proxy.commands.node import source_config
 from proxy.commands.workers import supervise
 from proxy.core.sync import SyncConfig
 from proxy.defaults import DEFAULT_MAX_BYTES
@@ -62,7 +62,7 @@ from proxy.nfqueue.dataplane import NfqueueDataplane
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource
-from proxy.sources.kubeconfig import KubeConfigError
+from proxy.sources.kubeconfig import KubeConfig
 from proxy.sources.statefile import StateFileSource
 from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.transparent import ReturnPathGuard, RoutingConfig, TransparentRouting
@@ -71,11 +71,12 @@ from proxy.userspace.vips import LocalVIPs, VIPGuard
 log = logging.getLogger(__name__)
 
 
-def make_source(args: argparse.Namespace, hub: StateHub) -> StateFileSource | KubeAPISource:
+def make_source(args: argparse.Namespace, hub: StateHub,
+                config: KubeConfig | None) -> StateFileSource | KubeAPISource:
     """The state file if one is named, else the Kubernetes API (as kube-proxy reads it).
 
-    Raises ``KubeConfigError`` (``node.source_config``)."""
-    config = source_config(args)
+    ``config`` is ``node.source_config``'s answer, checked before the claim: None
+    for the state file, else how to reach the API server."""
     if config is None:
         return StateFileSource(
             args.state, hub, max_bytes=getattr(args, "state_max_bytes", DEFAULT_MAX_BYTES)
@@ -125,15 +126,11 @@ def attach_proxier(args: argparse.Namespace, hub: StateHub, sidecar: Sidecar | N
     ).attach(hub)
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
+    """Serve the claimed namespace until stopped; ``config``: see ``make_source``."""
     loop = asyncio.get_running_loop()
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
-    # Bad flags or credentials fail here, before anything touches the namespace.
-    try:
-        source = make_source(args, hub)
-    except KubeConfigError as e:
-        log.error("%s", e)
-        return 2
+    source = make_source(args, hub, config)
     workers = max(1, args.workers)
     worker_index = getattr(args, "worker_index", 0)
     ownership: Ownership | None = getattr(args, "ownership", None)
@@ -384,12 +381,14 @@ def run_on_uvloop(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    return run_on_uvloop(serve(args))
+def run_worker(args: argparse.Namespace, config: KubeConfig | None) -> int:
+    return run_on_uvloop(serve(args, config))
 
 
-def serve_claimed(args: argparse.Namespace) -> int:
-    """Serve the namespace ``node.run`` claimed: in this process, or in ``--workers`` forks."""
+def serve_claimed(args: argparse.Namespace, config: KubeConfig | None) -> int:
+    """Serve the namespace ``node.run`` claimed: in this process, or in ``--workers`` forks.
+
+    ``config`` is where the state comes from, as ``node.source_config`` checked it."""
     if args.workers > 1:
-        return supervise(args, run_worker)
-    return run_worker(args)
+        return supervise(args, functools.partial(run_worker, config=config))
+    return run_worker(args, config)

@@ -67,7 +67,7 @@ def test_serve_passes_both_to_the_dataplane(
                  "--conntrack-tcp-timeout-established", "90s",
                  "--conntrack-tcp-timeout-close-wait", "0")
     with pytest.raises(_Built):
-        asyncio.run(wiring.serve(args))
+        asyncio.run(wiring.serve(args, None))
     assert seen["tcp_timeout_established"] == 90.0
     assert seen["tcp_timeout_close_wait"] == 0.0
 
