@@ -76,6 +76,8 @@ METRICS: dict[str, Metric] = {
         Metric("udp_p50_ms", "udp", "ms", False, "udp round trip p50", "p50"),
         Metric("udp_p99_ms", "udp", "ms", False, "udp round trip p99", "p99"),
         Metric("udp_cpu_us", "udp", "us", False, "proxy CPU per udp request", "cpu", True),
+        Metric("udp_kernel_us", "udp", "us", False, "proxy kernel CPU per udp request",
+               "kernel", True),
         Metric("apply_s", "apply", "s", False, "apply N services"),
         Metric("idle_cpu_pct", "idle", "% core", False, "idle CPU"),
         Metric("converge_p50_ms", "converge", "ms", False, "endpoint change p50", "p50"),

@@ -145,15 +145,14 @@ class CpuUsage:
         if not c.has_process or not run.ok:
             return
         user, kernel = cpu_times(c.pids())
-        kernel -= self.kernel0
-        cpu = user - self.user0 + kernel
+        user, kernel = user - self.user0, kernel - self.kernel0
+        cpu = user + kernel
         run.detail["proxy_cpu_s"] = round(cpu, 2)
         run.detail["proxy_kernel_s"] = round(kernel, 2)
         requests = run.detail.get("requests")
         if workload in ("rr", "cps", "udp") and requests:
             run.metrics[f"{workload}_cpu_us"] = round(cpu / requests * 1e6, 1)
-            if workload != "udp":
-                run.metrics[f"{workload}_kernel_us"] = round(kernel / requests * 1e6, 1)
+            run.metrics[f"{workload}_kernel_us"] = round(kernel / requests * 1e6, 1)
 
 
 class Display:
