@@ -46,6 +46,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -57,7 +58,7 @@ from proxy.commands.workers import supervise
 from proxy.core.sync import SyncConfig
 from proxy.defaults import DEFAULT_MAX_BYTES
 from proxy.lifecycle.ownership import Listeners, Offer, Ownership, Successor, live_pids
-from proxy.nfqueue import conntrack
+from proxy.nfqueue import conntrack, rules
 from proxy.nfqueue.dataplane import QUEUE_KEY, NfqueueDataplane
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
@@ -181,6 +182,12 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     attach_proxier(args, hub, sidecar, dataplane, dataplane6)
 
     watcher = await start_source(source, args.sync_period)
+    leftovers: asyncio.Task[None] | None = None
+    if worker_index == 0:
+        # The listeners are up: now SYNs that nfqueue rules left behind would
+        # queue to nobody can reach them.
+        leftovers = asyncio.create_task(remove_nfqueue_leftovers(
+            rules.FAMILIES if local_vips6 is not None else (4,)), name="nfqueue-leftovers")
 
     # The namespace's owner (worker 0 for --workers) keeps the return path
     # whole, as kube-proxy re-syncs its rules every sync period.
@@ -226,6 +233,8 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
         guard.cancel()  # only the owner repairs; a successor takes that over
     for vip_guard in vip_guards:
         vip_guard.cancel()
+    if leftovers is not None:
+        await asyncio.gather(leftovers, return_exceptions=True)  # a few nft calls at most
     source.stop()
 
     successor, offer = await offer_handover(
@@ -256,6 +265,35 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     stopper.cancel()
     log.info("kpx node %s stopped", args.hostname_override)
     return 0
+
+
+async def remove_nfqueue_leftovers(families: tuple[int, ...]) -> None:
+    """Remove the rules an nfqueue-mode kpx left (userspace mode), as kube-proxy cleans up
+    its other modes' rules at start.
+
+    They would queue every SYN to a served port to a queue that nobody reads
+    here: the kernel drops them (or with ``--queue-bypass`` lets them meet
+    the node undecided). A SIGKILL leaves them, and so does a restart into
+    this mode (the old process sees a successor present). Established
+    connections that they DNATed lose their translation with them. Off the
+    loop: a few ``nft`` and ``iptables-save`` calls, only reads when there
+    is nothing to remove.
+    """
+    def work() -> int | None:
+        if not rules.leftovers(families=families):
+            return None
+        return rules.remove(rules.QueueConfig(), families)
+
+    try:
+        removed = await asyncio.to_thread(work)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.error("could not remove the rules an nfqueue-mode kpx left: %s; SYNs to the "
+                  "ports they name may be dropped", exc)
+        return
+    if removed is not None:
+        log.info("removed the rules an nfqueue-mode kpx left here (%d iptables/ip6tables "
+                 "rule(s) and the kpx_nfq tables): they queued SYNs that no process reads",
+                 removed)
 
 
 async def take_over(ownership: Ownership, loop: asyncio.AbstractEventLoop,

@@ -755,6 +755,19 @@ def remove(cfg: QueueConfig, families: Iterable[int] = FAMILIES) -> int:
     return removed
 
 
+def leftovers(cfg: QueueConfig | None = None, families: Iterable[int] = FAMILIES) -> bool:
+    """Whether an nfqueue-mode kpx left its table or iptables rules here (read only).
+
+    What a kpx in the other mode asks at start (a SIGKILL, or a restart into
+    userspace mode, leaves them): the rules queue SYNs to a queue that no
+    process reads, so the kernel drops every new connection to a port they
+    served. Any kpx rule counts, whatever its queue number.
+    """
+    cfg = cfg or QueueConfig()
+    return any(table_objects(cfg.table, family) is not None or _kpx_saved(cfg.comment, family)
+               for family in families)
+
+
 def mangle_is_empty(listing: str) -> bool:
     """Whether ``nft -j list table ip mangle`` shows nothing but accept-policy chains (pure).
 

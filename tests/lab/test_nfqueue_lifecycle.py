@@ -134,6 +134,27 @@ def test_a_restart_hands_the_queue_over_so_no_syn_waits_for_a_retransmit(
     assert kpx_rules(lab) == ONE_COPY
 
 
+def test_a_restart_into_userspace_mode_removes_the_queueing_rules(
+        lab_factory: LabFactory) -> None:
+    """As kube-proxy cleans up its other modes' rules at start. The old process sees its
+    successor present and leaves its rules, which would queue every SYN to a queue that no
+    process reads: the relay's listeners would never see one."""
+    lab = lab_factory(lab_spec({"web-1": "node1"}, service("web", "Cluster")),
+                      extra_proxy_args=NFQ)
+    wait_applied(lab)
+    ip, port = lab.node_ip(NODE), lab.node_port("default/web")
+    assert who(lab, "client", ip, port)[0]["pod"] == "web-1"
+    assert kpx_rules(lab) == ONE_COPY
+    lab.extra_proxy_args = ()  # the relay, kpx's default
+    old, new = lab.restart_proxy(NODE)
+    wait_until(lambda: not netns.pid_alive(old), 15, what="the nfqueue-mode kpx node to exit")
+    wait_until(lambda: kpx_rules(lab) == (0, 0, 0, 0), 10, what="the queueing rules removed")
+    assert "removed the rules an nfqueue-mode kpx left here" in lab.proxy_log(NODE)
+    reply, _ = who(lab, "client", ip, port, timeout=5.0)
+    assert reply["pod"] == "web-1"
+    assert lab.listener_pids(NODE, port) == {new}, "the relay serves the NodePort"
+
+
 def test_a_sync_writes_only_what_changed_and_repairs_a_table_someone_touched(
         lab_factory: LabFactory) -> None:
     """Each sync is an element-by-element change of kpx's table; when the table is not what
