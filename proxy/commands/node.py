@@ -360,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         # One process takes the old one's listening sockets over; --workers
         # cannot share them, so they wait for the owner name (and bind anew).
-        ownership = Ownership.acquire(listeners=args.workers <= 1, standby=args.takeover_wait)
+        ownership = Ownership.acquire(listeners=args.workers <= 1, standby=args.takeover_wait,
+                                      queue=args.proxy_mode == "nfqueue")
     except OwnershipError as e:
         log.error("%s", e)
         return 1

@@ -46,7 +46,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Coroutine
+import subprocess
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import uvloop
@@ -56,9 +57,9 @@ from healthz.sidecar import Sidecar
 from proxy.commands.workers import supervise
 from proxy.core.sync import SyncConfig
 from proxy.defaults import DEFAULT_MAX_BYTES
-from proxy.lifecycle.ownership import Ownership, Successor, live_pids
-from proxy.nfqueue import conntrack
-from proxy.nfqueue.dataplane import NfqueueDataplane
+from proxy.lifecycle.ownership import Listeners, Offer, Ownership, Successor, live_pids
+from proxy.nfqueue import conntrack, rules
+from proxy.nfqueue.dataplane import QUEUE_KEY, NfqueueDataplane
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource
@@ -181,6 +182,12 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     attach_proxier(args, hub, sidecar, dataplane, dataplane6)
 
     watcher = await start_source(source, args.sync_period)
+    leftovers: asyncio.Task[None] | None = None
+    if worker_index == 0:
+        # The listeners are up: now SYNs that nfqueue rules left behind would
+        # queue to nobody can reach them.
+        leftovers = asyncio.create_task(remove_nfqueue_leftovers(
+            rules.FAMILIES if local_vips6 is not None else (4,)), name="nfqueue-leftovers")
 
     # The namespace's owner (worker 0 for --workers) keeps the return path
     # whole, as kube-proxy re-syncs its rules every sync period.
@@ -210,16 +217,10 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
             sidecar_started = True
             await sidecar.start()
 
-    async def take_over() -> None:
-        """A successor: say "serving" once synced, then own the name and the health ports."""
-        assert ownership is not None
-        await ownership.take_over(synced(planes))
-        ownership.attach(loop)
-        await start_sidecar()  # the old one has closed its health ports by now
-
     takeover: asyncio.Task[None] | None = None
-    if claim is not None:
-        takeover = asyncio.create_task(take_over(), name="take-over")
+    if ownership is not None and claim is not None:
+        takeover = asyncio.create_task(take_over(ownership, loop, synced(planes), start_sidecar),
+                                       name="take-over")
     else:
         await start_sidecar()
 
@@ -232,30 +233,13 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
         guard.cancel()  # only the owner repairs; a successor takes that over
     for vip_guard in vip_guards:
         vip_guard.cancel()
+    if leftovers is not None:
+        await asyncio.gather(leftovers, return_exceptions=True)  # a few nft calls at most
     source.stop()
 
-    successor = None
-    offer = None
-    window = min(args.handover_wait, args.shutdown_grace)
-    if ownership is not None:
-        if workers == 1 and window > 0 and not interrupted.is_set():
-            offer = ownership.offer(loop)
-        if offer is None:
-            ownership.stopping()  # a successor started now waits for the owner name
-    if offer is not None:
-        log.info("stopping: accepting for up to %.1fs more while a new kpx node may take "
-                 "the listeners over", window)
-        waiting = asyncio.create_task(
-            offer.wait(lambda: [kv for dp in planes for kv in dp.listening_sockets()], window,
-                       args.shutdown_grace))
-        cut = asyncio.create_task(interrupted.wait())
-        await asyncio.wait({waiting, cut}, return_when=asyncio.FIRST_COMPLETED)
-        cut.cancel()
-        if not waiting.done():  # SIGINT: stop now
-            waiting.cancel()
-        successor = (await asyncio.gather(waiting, return_exceptions=True))[0]
-        if not isinstance(successor, Successor):
-            successor = None
+    successor, offer = await offer_handover(
+        args, ownership, loop, interrupted, "accepting",
+        lambda want: [kv for dp in planes for kv in dp.listening_sockets()])
     log.info("stopping: no new connections, draining for up to %.1fs", args.shutdown_grace)
     for dp in planes:
         await dp.stop_accepting()
@@ -281,6 +265,78 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     stopper.cancel()
     log.info("kpx node %s stopped", args.hostname_override)
     return 0
+
+
+async def remove_nfqueue_leftovers(families: tuple[int, ...]) -> None:
+    """Remove the rules an nfqueue-mode kpx left (userspace mode), as kube-proxy cleans up
+    its other modes' rules at start.
+
+    They would queue every SYN to a served port to a queue that nobody reads
+    here: the kernel drops them (or with ``--queue-bypass`` lets them meet
+    the node undecided). A SIGKILL leaves them, and so does a restart into
+    this mode (the old process sees a successor present). Established
+    connections that they DNATed lose their translation with them. Off the
+    loop: a few ``nft`` and ``iptables-save`` calls, only reads when there
+    is nothing to remove.
+    """
+    def work() -> int | None:
+        if not rules.leftovers(families=families):
+            return None
+        return rules.remove(rules.QueueConfig(), families)
+
+    try:
+        removed = await asyncio.to_thread(work)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.error("could not remove the rules an nfqueue-mode kpx left: %s; SYNs to the "
+                  "ports they name may be dropped", exc)
+        return
+    if removed is not None:
+        log.info("removed the rules an nfqueue-mode kpx left here (%d iptables/ip6tables "
+                 "rule(s) and the kpx_nfq tables): they queued SYNs that no process reads",
+                 removed)
+
+
+async def take_over(ownership: Ownership, loop: asyncio.AbstractEventLoop,
+                    ready: Awaitable[object], then: Callable[[], Awaitable[None]]) -> None:
+    """A successor: say "serving" once ``ready``, own the name, then ``then`` (the health
+    ports: the old one has closed them by now)."""
+    await ownership.take_over(ready)
+    ownership.attach(loop)
+    await then()
+
+
+async def offer_handover(
+    args: argparse.Namespace, ownership: Ownership | None, loop: asyncio.AbstractEventLoop,
+    interrupted: asyncio.Event, doing: str,
+    listeners: Listeners,
+) -> tuple[Successor | None, Offer | None]:
+    """Stopping: keep ``doing`` it for ``--handover-wait`` while a successor may take over.
+
+    Returns the successor once it serves (None: nobody came in time, or
+    SIGINT cut the wait) and the offer, for the caller to close when it
+    exits: until then a third instance that asks is told BUSY. No offer
+    (``--workers``, SIGINT, a zero window): a successor started now waits
+    for the owner name instead.
+    """
+    window = min(args.handover_wait, args.shutdown_grace)
+    offer = None
+    if ownership is not None:
+        if args.workers <= 1 and window > 0 and not interrupted.is_set():
+            offer = ownership.offer(loop)
+        if offer is None:
+            ownership.stopping()
+    if offer is None:
+        return None, None
+    log.info("stopping: %s for up to %.1fs more while a new kpx node may take over",
+             doing, window)
+    waiting = asyncio.create_task(offer.wait(listeners, window, args.shutdown_grace))
+    cut = asyncio.create_task(interrupted.wait())
+    await asyncio.wait({waiting, cut}, return_when=asyncio.FIRST_COMPLETED)
+    cut.cancel()
+    if not waiting.done():  # SIGINT: stop now
+        waiting.cancel()
+    successor = (await asyncio.gather(waiting, return_exceptions=True))[0]
+    return (successor if isinstance(successor, Successor) else None), offer
 
 
 def ipv6_available() -> bool:
@@ -331,45 +387,82 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
                         ownership: Ownership | None) -> int:
     """``kpx node --proxy-mode nfqueue``: the same sync and healthz, a SYN-deciding dataplane.
 
-    A restart needs no socket handover: the old process gives the queue back
-    when it stops, the new one binds it (retrying meanwhile), and every
-    established connection keeps flowing in conntrack throughout. SYNs in
-    between are dropped (fail-closed) and retransmitted, or with
-    ``--queue-bypass`` pass undecided.
+    A restart hands the queue over as the relay hands its listeners over
+    (``Ownership.offer``): the new one receives the queue's socket itself,
+    so the queue never stops being bound. The old process goes on deciding
+    SYNs while the new one starts, reads its state and works out its tables
+    (``NfqueueDataplane.prepared``). Then the new one says READY, the old
+    one answers what it has read and passes the owner name, and the new one
+    writes its tables (in place: see ``rules.nft_script``) and answers the
+    SYNs that waited in the socket meanwhile. So no SYN waits for a
+    retransmit. The rules stay in place throughout (removing them would
+    unhook NAT from every established connection, which conntrack carries
+    all along). Without a successor, SYNs are dropped (fail-closed) until
+    one binds, or with ``--queue-bypass`` pass undecided.
     """
     conntrack.apply(conntrack.Settings.from_flags(args))
+    claim = ownership.claim if ownership is not None else None
+    inherited = claim.take_listeners() if claim is not None else {}
+    queue = inherited.pop((QUEUE_KEY, args.queue_num), None)
+    for sock in inherited.values():
+        sock.close()  # a relay's listening sockets (the mode changed): none is used here
     dataplane = NfqueueDataplane(loop=loop, queue=args.queue_num, bypass=args.queue_bypass,
                                  batch_wait=args.queue_batch_wait,
-                                 cluster_cidrs=args.cluster_cidr, health=hub.health)
+                                 cluster_cidrs=args.cluster_cidr, health=hub.health,
+                                 successor=claim is not None, inherited=queue)
     sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
     # One instance serves both families (one queue, one socket): it is the IPv6
     # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
     attach_proxier(args, hub, sidecar, dataplane,
                    dataplane if 6 in dataplane.families else None)
     watcher = await start_source(source, args.sync_period)
-    if ownership is not None:
-        ownership.attach(loop)
-    if sidecar is not None:
-        await sidecar.start()
+    sidecar_started = False
+
+    async def start() -> None:
+        """Bind the queue (once the old one let go, for a successor) and the health ports."""
+        nonlocal sidecar_started
+        dataplane.proceed()
+        if sidecar is not None:
+            sidecar_started = True
+            await sidecar.start()
+
+    takeover: asyncio.Task[None] | None = None
+    if ownership is not None and claim is not None:
+        takeover = asyncio.create_task(
+            take_over(ownership, loop, dataplane.prepared.wait(), start), name="take-over")
+    else:
+        if ownership is not None:
+            ownership.attach(loop)
+        await start()
     interrupted, stopper = await run_until_stopped(loop, args, source, watcher,
                                                    " in nfqueue mode")
+    if takeover is not None and not takeover.done():
+        takeover.cancel()
+        await asyncio.gather(takeover, return_exceptions=True)
     source.stop()
-    if ownership is not None:
-        ownership.stopping()
+    successor, offer = await offer_handover(args, ownership, loop, interrupted,
+                                            "deciding SYNs",
+                                            lambda want: dataplane.listening_sockets()
+                                            if want.get("queue") else None)
     await dataplane.stop_accepting()  # the queue is free for a successor from here
-    if sidecar is not None:
+    if sidecar_started and sidecar is not None:
         await sidecar.stop()
-    if ownership is not None:
+    if successor is not None:
+        await successor.finish()  # it binds the queue now, and the health ports
+        log.info("handed this network namespace to kpx node pid %d", successor.pid)
+    elif ownership is not None:
         ownership.release()
-        # A rolling restart's successor announces itself once it has the owner
-        # name: wait for it a moment, so the rules stay. Removing them would
-        # unhook NAT from every established connection until it reinstalls
-        # them, and reset those connections.
-        window = 0.0 if interrupted.is_set() else min(args.handover_wait, args.shutdown_grace)
-        deadline = loop.time() + window
-        while loop.time() < deadline and not live_pids() - {os.getpid()}:
-            await asyncio.sleep(0.05)
+        if offer is not None and offer.declined:
+            # One came that binds a queue of its own (a relay, an older kpx): it takes
+            # the owner name now and then announces itself. Wait for it a moment, so
+            # the rules stay: removing them would unhook NAT from every established
+            # connection until it puts them back.
+            deadline = loop.time() + min(args.handover_wait, args.shutdown_grace)
+            while loop.time() < deadline and not live_pids() - {os.getpid()}:
+                await asyncio.sleep(0.02)
     dataplane.close()  # removes the rules only if no other kpx is present
+    if offer is not None:
+        offer.close()
     watcher.cancel()
     stopper.cancel()
     log.info("kpx node %s stopped", args.hostname_override)

@@ -21,14 +21,19 @@ count from it, in order.
 
 Exchange (successor S, stopping owner O, after S connected to O's handover name)::
 
-    S: WANT {"listeners": true|false}
+    S: WANT {"listeners": true|false, "queue": true|false}
     O: LISTENERS {"keys": [[addr, port], ...]} + fds   (listeners only, batches)
     O: END {"count": n}
     S: READY {}              (S has applied its first state and accepts too)
     O: OWNER {} + owner fd   (O stopped accepting; the owner name moves to S)
 
-``BUSY`` (another successor is taking over) and ``FREE`` (O already gave up
-the namespace: just claim it) answer a ``WANT`` that comes too late.
+``queue``: S takes an nfqueue socket too (``proxy.nfqueue``); only then
+does O pass one, keyed ``("nfqueue", queue number)``. An O in nfqueue mode
+answers a ``WANT`` without it ``FREE``: it gives the namespace up at once,
+and S claims it once released (a relay, or an older kpx, would hold the
+queue bound and never read it). ``BUSY`` (another successor is taking
+over) and ``FREE`` (O already gave up the namespace: just claim it) also
+answer a ``WANT`` that comes too late.
 """
 
 from __future__ import annotations

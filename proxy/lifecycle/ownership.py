@@ -17,7 +17,8 @@ SIGKILL alike), so no lock file can go stale and no two namespaces collide:
   stop, so a successor started "at once" takes over instead of failing as a
   mistaken second instance would. A single-process owner listens on it
   (``offer``): one successor connects, receives every NodePort listening
-  socket (``proxy.lifecycle.handover``: fd passing), accepts on them once it has
+  socket (``proxy.lifecycle.handover``: fd passing; in nfqueue mode the
+  queue's socket, to a successor that asks for it), accepts on them once it has
   applied its first state, says so, and then receives the owner socket
   itself, so the owner name is never free in between and the listeners never
   stop listening. Meanwhile the old owner keeps accepting; it answers any
@@ -51,8 +52,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from proxy.lifecycle.handover import (
     BUSY,
@@ -84,6 +86,8 @@ ASK_TIMEOUT = 2.0
 OWNER_BACKLOG = 64
 
 ListenerKey = tuple[str, int]
+Listeners = Callable[[Mapping[str, Any]], list[tuple[ListenerKey, socket.socket]] | None]
+"""What a stopping owner passes on, given the successor's WANT frame (``Offer.wait``)."""
 
 _POLL = 0.02
 _PROC_NET_UNIX = Path("/proc/net/unix")
@@ -215,7 +219,7 @@ class Ownership:
 
     @classmethod
     def acquire(cls, base: str = BASE_NAME, successor_wait: float = SUCCESSOR_WAIT,
-                listeners: bool = True, standby: float = 0.0) -> Ownership:
+                listeners: bool = True, standby: float = 0.0, queue: bool = False) -> Ownership:
         """Take the owner name (or a stopping owner's handover), then announce presence.
 
         Owner first: a mistaken second instance must not even look present,
@@ -236,6 +240,10 @@ class Ownership:
         a DaemonSet's surge pod: it starts beside the old pod (one network
         namespace, the node's), the old pod is deleted once the new one is
         ready, and its SIGTERM is the handover this process was waiting for.
+
+        ``queue``: take an nfqueue socket over too (``--proxy-mode nfqueue``),
+        among the listeners. Only a successor that asks is given one: any
+        other would hold the queue bound and never read it.
         """
         standby_until = time.monotonic() + standby
         said = False
@@ -270,7 +278,7 @@ class Ownership:
             if holder is not None and not asked:
                 asked = True  # one try per start: a failed one falls back to waiting
                 try:
-                    got = _ask(base, holder, listeners, deadline)
+                    got = _ask(base, holder, listeners, deadline, queue)
                 except _Busy as busy:
                     # Busy with a successor that may just have died: the owner
                     # notices at once, so ask again for a moment before failing.
@@ -430,7 +438,11 @@ class _Busy(OwnershipError):
     """The owner answered BUSY: another successor is taking over."""
 
 
-def _ask(base: str, holder: int, listeners: bool, deadline: float
+class _Declined(Exception):
+    """A stopping owner told its successor FREE: it cannot take this owner's sockets over."""
+
+
+def _ask(base: str, holder: int, listeners: bool, deadline: float, queue: bool = False
          ) -> tuple[socket.socket | None, Claim | None] | None:
     """Ask the stopping owner ``holder`` for its handover (``Ownership.acquire``).
 
@@ -457,7 +469,7 @@ def _ask(base: str, holder: int, listeners: bool, deadline: float
         # hangs up, maybe before our request is through: its answer is still
         # there to read.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            send_frame(conn, WANT, {"listeners": listeners})
+            send_frame(conn, WANT, {"listeners": listeners, "queue": queue})
         wait = max(deadline - time.monotonic(), ASK_TIMEOUT)
         kind, msg = reader.read(wait)
         if kind == BUSY:
@@ -582,6 +594,8 @@ class Offer:
         self._loop = loop
         self._state = "offering"
         """offering (waiting for a successor), busy (serving one), handed, closed."""
+        self.declined = False
+        """A successor came that could not take over (``wait``): it waits for the owner name."""
         self._waiter: asyncio.Future[socket.socket] | None = None
         loop.add_reader(sock.fileno(), self._on_connect)
 
@@ -612,9 +626,17 @@ class Offer:
                 conn.send(encode(answer))
             conn.close()
 
-    async def wait(self, listeners: Callable[[], list[tuple[ListenerKey, socket.socket]]],
-                   window: float, ready_timeout: float) -> Successor | None:
+    async def wait(self, listeners: Listeners, window: float, ready_timeout: float
+                   ) -> Successor | None:
         """Keep serving until a successor has taken the listeners, or ``window`` passes.
+
+        ``listeners(want)``: the sockets to pass to a successor whose WANT
+        frame says ``want`` (``{"listeners": ..., "queue": ...}``), or None
+        if this process cannot hand over to such a one (an nfqueue socket
+        to a successor that did not ask for it: it would hold the queue
+        bound and never read it). That one is told FREE, to wait for the
+        owner name, and this returns None at once: the caller stops and
+        releases the name, as without a successor.
 
         Returns the successor once it said READY (or took the listeners and
         did not say READY within ``ready_timeout``: it holds them, so it
@@ -633,15 +655,19 @@ class Offer:
                 return None
             finally:
                 self._waiter = None
-            successor = await self._serve(conn, listeners, ready_timeout)
+            try:
+                successor = await self._serve(conn, listeners, ready_timeout)
+            except _Declined:
+                self._state = "closed"
+                self.declined = True
+                return None
             if successor is not None:
                 self._state = "handed"
                 return successor
             self._state = "offering"
 
-    async def _serve(self, conn: socket.socket,
-                     listeners: Callable[[], list[tuple[ListenerKey, socket.socket]]],
-                     ready_timeout: float) -> Successor | None:
+    async def _serve(self, conn: socket.socket, listeners: Listeners, ready_timeout: float
+                     ) -> Successor | None:
         reader = FrameReader(conn)
         pid = -1
         try:
@@ -650,7 +676,14 @@ class Offer:
             if kind != WANT:
                 raise HandoverError(f"unexpected frame {kind!r}")
             if msg.get("listeners"):
-                socks = listeners()
+                socks = listeners(msg)
+                if socks is None:
+                    log.info("kpx node pid %d cannot take this one's sockets over; told it to "
+                             "wait for the namespace, which this one gives up now", pid)
+                    with contextlib.suppress(OSError):
+                        await send_frame_async(conn, FREE, None, None, ASK_TIMEOUT)
+                    reader.close()
+                    raise _Declined
                 for i in range(0, len(socks), MAX_FDS):
                     batch = socks[i:i + MAX_FDS]
                     await send_frame_async(conn, LISTENERS, {"keys": [list(k) for k, _ in batch]},

@@ -47,6 +47,15 @@ of thousands of services, every SYN queued while the loop walked the plans
 waited the walk out), nor /healthz for either. They share only immutable
 tables, swapped by reference.
 
+Restarts: the socket moves to the successor (``listening_sockets``, passed
+over ``proxy.lifecycle.ownership``'s handover), so the queue stays bound.
+The successor works out its first tables while this process still
+decides (``successor``, ``prepared``); once it has stopped, ``proceed``
+writes them in place, and the SYNs queued meanwhile wait in the socket for
+them. Without that handover the queue is read only once the first tables
+are in force, too: a SYN queued by leftover rules (a SIGKILLed kpx's, whose
+slots may name other endpoints) waits for the new ones.
+
 Never: relay a byte, retry a failed connect (the endpoint's RST reaches the
 client, as with iptables mode), or touch a rule that is not kpx's. The
 rules are installed once the queue is bound, changed element by element on
@@ -67,6 +76,7 @@ import ipaddress
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -96,6 +106,8 @@ FULL_SYNC_PERIOD = 3600.0
 element-by-element change ran into it."""
 METRICS_FLUSH_INTERVAL = 1.0
 """Seconds between metric flushes: what a scrape may lag behind the verdicts."""
+QUEUE_KEY = "nfqueue"
+"""The queue socket's key among a handover's listening sockets: ``(QUEUE_KEY, queue)``."""
 BIND_RETRY = 0.1
 """Seconds between attempts to bind a queue a predecessor still holds (a restart)."""
 
@@ -334,6 +346,8 @@ class NfqueueDataplane:
         bind_timeout: float = 30.0,
         health: ProxyHealth | None = None,
         batch_wait: float = DEFAULT_BATCH_WAIT,
+        successor: bool = False,
+        inherited: socket.socket | None = None,
     ) -> None:
         self.loop = loop
         self.batch_wait = batch_wait
@@ -345,6 +359,16 @@ class NfqueueDataplane:
         self.families: tuple[int, ...] = rules.FAMILIES if ipv6_available() else (4,)
         """The families whose rules kpx installs: both, unless the kernel has no IPv6."""
         self.synced = asyncio.Event()
+        self.prepared = asyncio.Event()
+        """Set once the first sync's tables are worked out: all a successor does while its
+        predecessor still holds the queue (``successor``)."""
+        self._go = asyncio.Event()
+        """Clear while a predecessor holds the queue: nothing is bound or written until
+        ``proceed``."""
+        if not successor:
+            self._go.set()
+        self._inherited = inherited
+        """The queue socket a predecessor passed on (``successor``): adopted, not bound anew."""
         self.generation = -1
         self.generation_in_force = -1
         self._bind_timeout = bind_timeout
@@ -398,8 +422,15 @@ class NfqueueDataplane:
     transparent_active = False
     """The client IP is kept by plain DNAT: no transparent return path is installed."""
 
-    def listening_sockets(self) -> list[tuple[tuple[str, int], object]]:
-        return []  # nothing to hand over: the queue is bound afresh by a successor
+    def listening_sockets(self) -> list[tuple[tuple[str, int], socket.socket]]:
+        """The queue socket, for a restart's successor (``QUEUE_KEY``, the queue number).
+
+        The socket moves, not the queue: it stays bound, and what the kernel
+        queues while the two processes change places waits in it.
+        """
+        if self._sock is None or not self._accepting:
+            return []
+        return [((QUEUE_KEY, self.cfg.queue), self._sock.socket)]
 
     def listeners(self) -> list[tuple[str, int, str]]:
         return []
@@ -449,21 +480,43 @@ class NfqueueDataplane:
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
 
+    def proceed(self) -> None:
+        """The predecessor has given the queue back (or is gone): bind it and take over.
+
+        Only for a dataplane made with ``successor=True``; others proceed at once.
+        """
+        self._go.set()
+
     async def _put(self) -> None:
-        """Bind the queue (first time), write the tables, swap the plans; again if newer."""
+        """Work out the tables, bind the queue (first time), write them, swap; again if newer.
+
+        The queue is read only once the first tables are in force. A SYN
+        queued before then (by a predecessor's rules, whose slots may name
+        other endpoints) waits in the kernel and is decided by the new ones.
+        A successor stops after working out its first tables (``prepared``)
+        until ``proceed``: its predecessor decides SYNs until then, and holds
+        the queue, so the queue is unread only while the tables are written.
+        """
         while self._wanted is not None and not self._closed:
             wanted = self._wanted
             generation = wanted.generation
             self._wanted = None
             try:
-                if self._sock is None:
-                    await self._bind()
+                if self._mechanism is None:
+                    self._mechanism = await self._off_loop(rules.choose_mechanism,
+                                                           self.cfg.queue)
                 # Off the loop, as the rendering below is: at tens of thousands of
                 # services this walk takes a good part of a second, which /healthz
                 # must not wait out (the plans are immutable; only this task
                 # touches the slots).
                 pending = Tables(*[await self._off_loop(self._tabulate, *want, fam)
                                    for fam, want in ((4, wanted.v4), (6, wanted.v6))])
+                self.prepared.set()
+                await self._go.wait()
+                if self._sock is None:
+                    await self._bind()
+                    if self._sock is None:
+                        return  # stopped meanwhile: the queue stays free for a successor
                 self._pending = pending
                 for family in self.families:
                     await self._put_family(family, pending.of(family).served)
@@ -480,6 +533,8 @@ class NfqueueDataplane:
                 await asyncio.sleep(1.0)
                 continue
             self._tables, self._pending = pending, None
+            if self._reader is None and self._sock is not None and self._accepting:
+                self._start_reader(self._sock)
             self.generation_in_force = generation
             self.synced.set()
             if self._health is not None:
@@ -497,8 +552,7 @@ class NfqueueDataplane:
     async def _put_family(self, family: int, served: rules.Served) -> None:
         """Make ``family``'s table (and, the first time, its queueing rules) serve ``served``.
 
-        The first family installed probes the mechanism; the other installs
-        with it. A family whose install failed is installed again next time.
+        A family whose install failed is installed again next time.
         """
         if family not in self._installed:
             self._mechanism = await self._off_loop(rules.install, self.cfg, served,
@@ -535,10 +589,7 @@ class NfqueueDataplane:
                 return
             log.warning("nfqueue: table %s (IPv%d) is not as kpx left it (%s); writing it"
                         " whole", table, family, res.stderr.strip() or res.returncode)
-        script = await self._off_loop(rules.nft_script, self.cfg, served, mechanism, family)
-        res = await spawn.run(["nft", "-f", "-"], script)
-        if res.returncode != 0:
-            raise RuntimeError(f"nft -f (IPv{family}): {res.stderr.strip() or res.returncode}")
+        await self._off_loop(rules.write_table, self.cfg, served, mechanism, family)
         self._whole_at[family] = time.monotonic()
 
     async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
@@ -604,19 +655,35 @@ class NfqueueDataplane:
                      "y" if n == 1 else "ies")
 
     async def _bind(self) -> None:
-        """Bind the queue; a predecessor may hold it for a moment (a restart): retry."""
+        """Bind the queue; a predecessor may hold it for a moment (a restart): retry.
+
+        The reader starts once the first tables are in force (``_put``).
+        """
+        inherited, self._inherited = self._inherited, None
+        if inherited is not None:
+            try:
+                self._sock = netlink.QueueSocket(self.cfg.queue, fail_open=self.cfg.bypass,
+                                                 adopt=inherited)
+            except OSError as exc:
+                inherited.close()
+                log.warning("nfqueue %d: cannot take the predecessor's socket over: %s;"
+                            " binding the queue anew", self.cfg.queue, exc)
+            else:
+                log.info("nfqueue %d taken over from the predecessor (%s)", self.cfg.queue,
+                         "fail-open: --queue-bypass" if self.cfg.bypass else "fail-closed")
+                return
         deadline = time.monotonic() + self._bind_timeout
-        while True:
+        while self._sock is None:
+            if not self._accepting:
+                return  # stopped meanwhile: the queue stays free for a successor
             try:
                 self._sock = netlink.QueueSocket(self.cfg.queue, fail_open=self.cfg.bypass)
-                break
             except OSError as exc:
                 if time.monotonic() >= deadline:
                     raise
                 self._warn.warning(("bind",), "nfqueue %d: %s; retrying (a kpx being replaced"
                                    " still holds it?)", self.cfg.queue, exc)
                 await asyncio.sleep(BIND_RETRY)
-        self._start_reader(self._sock)
         log.info("nfqueue %d bound (%s)", self.cfg.queue,
                  "fail-open: --queue-bypass" if self.cfg.bypass else "fail-closed")
 
@@ -629,7 +696,8 @@ class NfqueueDataplane:
         self._reader.start()
 
     def _read(self, sock: netlink.QueueSocket) -> None:
-        """The reader thread: answer every batch until woken to stop, then flush the counts.
+        """The reader thread: answer every batch until woken to stop (that one too), then
+        flush the counts.
 
         Why a thread and not the event loop's reader: the loop also runs the
         syncs and /healthz, and a SYN queued while it is busy waits until it
@@ -643,13 +711,17 @@ class NfqueueDataplane:
         poller.register(self._wake_r, select.POLLIN)
         flushed = time.monotonic()
         tables: Tables | None = None
-        while not self._stop_reading:
+        while True:
             poller.poll(METRICS_FLUSH_INTERVAL * 1000 if self._counts else None)
-            if self._stop_reading:
-                break
+            # Woken to stop: what has come is still answered (one last batch). A
+            # successor that took the socket over reads whatever comes after; one
+            # that binds anew sees the queue free as soon as this one closes it.
+            last = self._stop_reading
             try:
                 packets = sock.read_batch()
             except OSError as exc:
+                if last:
+                    break
                 self._warn.warning(("read", exc.errno), "nfqueue %d: read failed: %s; retrying",
                                    self.cfg.queue, exc)
                 time.sleep(0.1)
@@ -670,6 +742,8 @@ class NfqueueDataplane:
                                        exc_info=True)
                     with contextlib.suppress(OSError):
                         sock.send_verdicts([netlink.drop(p.packet_id) for p in packets])
+            if last:
+                break
             if len(packets) > 1 and self.batch_wait:
                 # Interrupt moderation, as a NIC's adaptive rx-usecs: SYNs that
                 # came together mean a busy node, where a wake-up per SYN (two
@@ -762,7 +836,12 @@ class NfqueueDataplane:
     # -- stopping -------------------------------------------------------------------------
 
     async def stop_accepting(self) -> None:
-        """Give the queue back, so a successor can bind it; established flows are conntrack's."""
+        """Stop deciding, and close this process's copy of the queue socket.
+
+        A successor that took the socket over (``listening_sockets``) holds the
+        queue from here on; else the queue is free for one to bind. Established
+        flows are conntrack's either way.
+        """
         self._accepting = False
         await asyncio.to_thread(self._stop_reader)
 
@@ -785,6 +864,9 @@ class NfqueueDataplane:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._inherited is not None:
+            self._inherited.close()
+            self._inherited = None
 
     async def drain(self, grace: float) -> int:
         return 0  # nothing to drain here: the kernel forwards every established flow

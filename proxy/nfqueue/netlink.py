@@ -491,34 +491,44 @@ class QueueSocket:
     Bind it *before* the rules that queue to it go in: a queue with rules
     and no socket drops (fail-closed) or bypasses (``--queue-bypass``)
     every packet sent to it.
+
+    ``adopt``: a socket that has the queue already, received from the
+    process that bound it (a restart's handover): the queue stays bound
+    throughout, and what waits in it stays too. It is configured again, not
+    bound.
     """
 
     def __init__(self, queue: int, *, copy_range: int = DEFAULT_COPY_RANGE,
                  maxlen: int = DEFAULT_MAXLEN, rcvbuf: int = DEFAULT_RCVBUF,
-                 fail_open: bool = False, timeout: float = CONFIG_TIMEOUT) -> None:
+                 fail_open: bool = False, timeout: float = CONFIG_TIMEOUT,
+                 adopt: socket.socket | None = None) -> None:
         self.queue = queue
         self.enobufs = 0
         """Times the kernel said it dropped messages for us (ENOBUFS on recv)."""
         self.verdict_errors = 0
         """Verdicts the kernel refused (ENOENT: the packet id was not waiting)."""
-        self._seq = 0
+        # A verdict's seq is its packet id (``verdict_message``): an adopted queue may
+        # have numbered packets already, so its config numbers itself far above them.
+        self._seq = 0 if adopt is None else 0xF000_0000
         self._pending: list[Packet] = []
         """Packets that arrived while the constructor waited for an ack."""
         self._buf = bytearray(RECV_SIZE)
         self._warn = RateLimitedLog(log)
-        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                                   NETLINK_NETFILTER)
+        self._sock = adopt or socket.socket(
+            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
         try:
-            self._sock.bind((0, 0))
+            if adopt is None:
+                self._sock.bind((0, 0))
             with contextlib.suppress(OSError):
                 self._sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
             self._set_rcvbuf(rcvbuf)
             self._sock.setblocking(False)
             deadline = time.monotonic() + timeout
-            for family in (socket.AF_INET, socket.AF_INET6):
-                self._config(f"family {family} bind", config_pf_bind(family, self._next_seq()),
-                             deadline)
-            self._config("bind", config_bind(queue, self._next_seq()), deadline)
+            if adopt is None:
+                for family in (socket.AF_INET, socket.AF_INET6):
+                    self._config(f"family {family} bind",
+                                 config_pf_bind(family, self._next_seq()), deadline)
+                self._config("bind", config_bind(queue, self._next_seq()), deadline)
             self._config(f"copy range {copy_range}",
                          config_params(queue, copy_range, self._next_seq()), deadline)
             self._config(f"queue length {maxlen}",
@@ -582,6 +592,11 @@ class QueueSocket:
 
     def fileno(self) -> int:
         return self._sock.fileno()
+
+    @property
+    def socket(self) -> socket.socket:
+        """The netlink socket itself: what a restart's handover passes on (``adopt``)."""
+        return self._sock
 
     def read_batch(self, max_reads: int = MAX_READS) -> list[Packet]:
         """Every packet waiting now, without blocking: reads until EAGAIN or ``max_reads``.

@@ -403,14 +403,29 @@ def update_script(table: str, old: Served, new: Served, layout: MarkLayout,
     return "".join(out)
 
 
+CHAINS = ("mark_prerouting", "mark_output", "reject_prerouting", "reject_output",
+          "dnat_prerouting", "dnat_output", "snat_postrouting")
+OBJECTS = frozenset({*(("set", n) for n in SETS), *(("map", n) for n in MAPS),
+                     *(("chain", n) for n in CHAINS)})
+"""What kpx's table holds: its sets, maps and chains (``table_objects`` reads them back)."""
+
+
 def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
-               family: int = 4) -> str:
+               family: int = 4, in_place: bool = False) -> str:
     """The nft transaction that makes ``family``'s table ``cfg.table`` exactly this, atomically.
 
     Declaring then deleting the table first makes a leftover (a killed kpx,
     an older set) vanish in the same transaction that writes the new one:
     no moment without rules, and never two copies. ValueError for a bad
     port, address or slot, before anything runs.
+
+    ``in_place``, for a table that holds kpx's ``OBJECTS`` and nothing else:
+    declare each one, flush it and fill it again instead, to the same end.
+    No base chain goes, and that matters to the queue: when a netfilter hook
+    is unregistered, the kernel drops every packet waiting in any queue of
+    the namespace (``nf_queue_nf_hook_drop``). A replacement would drop the
+    SYNs queued while it is written, such as those a restart's successor
+    holds until its first table is in.
     """
     lay = cfg.layout
     f = _nft_family(family)
@@ -429,8 +444,6 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
         # IPv6 localhost is never a NodePort (see the module's docstring).
         loopback = "    ip6 daddr ::1 return\n" if family == 6 else ""
         return (
-            f"  chain mark_{hook} {{\n"
-            f"    type filter hook {hook} priority mangle - 1; policy accept;\n"
             f"    tcp flags & (fin | syn | rst | ack) != syn return\n"
             f"    meta l4proto udp ct state != new return\n"
             f"    meta mark & {q:#x} == {q:#x} meta mark set meta mark & {~q & 0xFFFFFFFF:#x}\n"
@@ -444,58 +457,96 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
             f" reject with tcp reset\n"
             f"    meta mark & {q:#x} != {q:#x} {f.daddr} @vips meta l4proto udp"
             f" reject with {f.unreachable}\n"
-            f"  }}\n"
         )
 
-    def reject(hook: str) -> str:
-        return (
-            f"  chain reject_{hook} {{\n"
-            f"    type filter hook {hook} priority mangle + 1; policy accept;\n"
-            f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto tcp"
-            f" reject with tcp reset\n"
-            f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto udp"
-            f" reject with {f.unreachable}\n"
-            f"  }}\n"
-        )
-
-    def dnat(hook: str) -> str:
-        # nft 1.0.6 takes the name ``dstnat`` in prerouting only: -100 is the same.
-        return (
-            f"  chain dnat_{hook} {{\n"
-            f"    type nat hook {hook} priority -100; policy accept;\n"
-            f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
-            f" dnat {f.family} to meta mark & {lay.target:#x} . {f.daddr} . meta l4proto"
-            f" . th dport map @vip_targets\n"
-            f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
-            f" dnat {f.family} to meta mark & {lay.target:#x} . meta l4proto . th dport"
-            f" map @np_targets\n"
-            f"  }}\n"
-        )
-
+    reject = (
+        f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto tcp"
+        f" reject with tcp reset\n"
+        f"    meta mark & {lay.reject:#x} == {lay.reject:#x} meta l4proto udp"
+        f" reject with {f.unreachable}\n"
+    )
+    dnat = (
+        f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
+        f" dnat {f.family} to meta mark & {lay.target:#x} . {f.daddr} . meta l4proto"
+        f" . th dport map @vip_targets\n"
+        f"    meta mark & {q:#x} == {q:#x} meta l4proto {{ tcp, udp }}"
+        f" dnat {f.family} to meta mark & {lay.target:#x} . meta l4proto . th dport"
+        f" map @np_targets\n"
+    )
     masq = lay.masquerade | q
     a, fam = f.addr, f.family
-    return (
-        f"table {fam} {cfg.table}\n"
-        f"delete table {fam} {cfg.table}\n"
-        f"table {fam} {cfg.table} {{\n"
-        f"  set ports {{ type inet_service;{ports} }}\n"
-        f"  set pairs {{ type {a} . inet_service;{pairs} }}\n"
-        f"  set udp_ports {{ type inet_service;{udp_ports} }}\n"
-        f"  set udp_pairs {{ type {a} . inet_service;{udp_pairs} }}\n"
-        f"  set vips {{ type {a};{vips} }}\n"
-        f"  map np_targets {{ type mark . inet_proto . inet_service :"
-        f" {a} . inet_service;{np_targets} }}\n"
-        f"  map vip_targets {{ type mark . {a} . inet_proto . inet_service :"
-        f" {a} . inet_service;{vip_targets} }}\n"
-        + marking("prerouting") + marking("output")
-        + reject("prerouting") + reject("output")
-        + dnat("prerouting") + dnat("output")
-        + f"  chain snat_postrouting {{\n"
-        f"    type nat hook postrouting priority 100; policy accept;\n"
-        f"    meta mark & {masq:#x} == {masq:#x} masquerade\n"
-        f"  }}\n"
-        f"}}\n"
-    )
+    # (kind, name, declaration, contents): sets and maps on one line, chains on several.
+    # nft 1.0.6 takes the name ``dstnat`` in prerouting only: -100 is the same.
+    objects = [
+        ("set", "ports", "type inet_service;", ports),
+        ("set", "pairs", f"type {a} . inet_service;", pairs),
+        ("set", "udp_ports", "type inet_service;", udp_ports),
+        ("set", "udp_pairs", f"type {a} . inet_service;", udp_pairs),
+        ("set", "vips", f"type {a};", vips),
+        ("map", "np_targets", f"type mark . inet_proto . inet_service : {a} . inet_service;",
+         np_targets),
+        ("map", "vip_targets",
+         f"type mark . {a} . inet_proto . inet_service : {a} . inet_service;", vip_targets),
+        *(("chain", f"mark_{hook}",
+           f"type filter hook {hook} priority mangle - 1; policy accept;", marking(hook))
+          for hook in ("prerouting", "output")),
+        *(("chain", f"reject_{hook}",
+           f"type filter hook {hook} priority mangle + 1; policy accept;", reject)
+          for hook in ("prerouting", "output")),
+        *(("chain", f"dnat_{hook}", f"type nat hook {hook} priority -100; policy accept;", dnat)
+          for hook in ("prerouting", "output")),
+        ("chain", "snat_postrouting", "type nat hook postrouting priority 100; policy accept;",
+         f"    meta mark & {masq:#x} == {masq:#x} masquerade\n"),
+    ]
+
+    def table(filled: bool) -> str:
+        out = [f"table {fam} {cfg.table} {{\n"]
+        for kind, name, head, body in objects:
+            body = body if filled else ""
+            if kind == "chain":
+                out.append(f"  chain {name} {{\n    {head}\n{body}  }}\n")
+            else:
+                out.append(f"  {kind} {name} {{ {head}{body} }}\n")
+        out.append("}\n")
+        return "".join(out)
+
+    if not in_place:
+        return f"table {fam} {cfg.table}\ndelete table {fam} {cfg.table}\n" + table(True)
+    flush = "".join(f"flush {kind} {fam} {cfg.table} {name}\n" for kind, name, _, _ in objects)
+    return table(False) + flush + table(True)
+
+
+def write_table(cfg: QueueConfig, served: Served, mechanism: Mechanism, family: int = 4) -> None:
+    """Write ``family``'s whole table: in place when it holds just kpx's objects, else anew.
+
+    In place keeps the hooks, and so the packets queued meanwhile
+    (``nft_script``). A table in place that nft refuses all the same (a set
+    of another type, say) is replaced. RuntimeError if that fails too;
+    ValueError for bad input, before anything runs.
+    """
+    what = f"table {_nft_family(family).family} {cfg.table}"
+    if table_objects(cfg.table, family) == OBJECTS:
+        script = nft_script(cfg, served, mechanism, family, in_place=True)
+        res = _run(["nft", "-f", "-"], script)
+        if res.returncode == 0:
+            return
+        log.warning("nfqueue: %s could not be written in place (%s); replacing it", what,
+                    res.stderr.strip() or res.returncode)
+    _nft(nft_script(cfg, served, mechanism, family), what)
+
+
+def table_objects(table: str = NFT_TABLE, family: int = 4) -> frozenset[tuple[str, str]] | None:
+    """The ``(kind, name)`` of every set, map and chain of ``family``'s table now; None if
+    there is no such table (or nft cannot say). ``nft -t`` leaves the elements out."""
+    res = _run(["nft", "-j", "-t", "list", "table", _nft_family(family).family, table])
+    if res.returncode != 0:
+        return None
+    try:
+        listed = json.loads(res.stdout)["nftables"]
+        return frozenset((kind, obj[kind]["name"]) for obj in listed for kind in obj
+                         if kind in ("set", "map", "chain"))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def remove_script(table: str = NFT_TABLE, family: int = 4) -> str:
@@ -576,6 +627,21 @@ def nft_queue_supported(queue: int = DEFAULT_QUEUE) -> bool:
     raise RuntimeError(f"nft -c (queue probe): {res.stderr.strip() or res.returncode}")
 
 
+def choose_mechanism(queue: int = DEFAULT_QUEUE) -> Mechanism:
+    """nft's ``queue`` where the kernel has it, else xt NFQUEUE; logs the choice.
+
+    A check only (``nft_queue_supported``): a successor asks it while its
+    predecessor still serves, so that installing is all that is left once
+    the queue is its own.
+    """
+    if nft_queue_supported(queue):
+        log.info("nfqueue: queueing SYNs with nft's queue expression (queue %d)", queue)
+        return "nft"
+    log.info("nfqueue: this kernel has no nft queue expression (CONFIG_NFT_QUEUE);"
+             " queueing SYNs with iptables -j NFQUEUE (queue %d)", queue)
+    return "xt"
+
+
 def _saved(family: int = 4) -> str | None:
     """``iptables-save -t mangle`` (``ip6tables-save``) now; None if there is none to ask."""
     try:
@@ -633,34 +699,21 @@ def install(cfg: QueueConfig, served: Served, mechanism: Mechanism | None = None
             family: int = 4) -> Mechanism:
     """Make the namespace queue ``family``'s ``served`` SYNs and act on verdicts; idempotent.
 
-    ``mechanism`` None: probe the kernel (``nft_queue_supported``) and log
-    the choice. The table goes first (it only marks; nothing is queued
-    without the iptables rule), then the rule. The nft path also removes
-    a previous run's iptables rules. Bind the queue socket before this.
-    Returns the mechanism used. Each family is installed on its own (the
-    caller installs both, with the mechanism the first one found).
+    ``mechanism`` None: probe the kernel (``choose_mechanism``). The table
+    goes first (it only marks; nothing is queued without the iptables rule),
+    then the rule. The nft path also removes a previous run's iptables
+    rules. Bind the queue socket before this. Returns the mechanism used.
+    Each family is installed on its own (the caller installs both, with the
+    mechanism the first one found).
     """
     if mechanism is None:
-        mechanism = "nft" if nft_queue_supported(cfg.queue) else "xt"
-        if mechanism == "nft":
-            log.info("nfqueue: queueing SYNs with nft's queue expression (queue %d)", cfg.queue)
-        else:
-            log.info("nfqueue: this kernel has no nft queue expression (CONFIG_NFT_QUEUE);"
-                     " queueing SYNs with iptables -j NFQUEUE (queue %d)", cfg.queue)
-    script = nft_script(cfg, served, mechanism, family)  # ValueError: nothing changed yet
-    fam = _nft_family(family).family
-    _nft(script, f"table {fam} {cfg.table}")
+        mechanism = choose_mechanism(cfg.queue)
+    write_table(cfg, served, mechanism, family)  # ValueError: nothing changed yet
     if mechanism == "xt":
         _ensure_xt(cfg, family)
     else:
         _remove_xt(cfg, family)
     return mechanism
-
-
-def sync(cfg: QueueConfig, served: Served, mechanism: Mechanism, family: int = 4) -> None:
-    """Replace ``family``'s table with one serving ``served``, atomically (the rules stay)."""
-    _nft(nft_script(cfg, served, mechanism, family),
-         f"table {_nft_family(family).family} {cfg.table}")
 
 
 def _remove_xt(cfg: QueueConfig, family: int = 4) -> int:
@@ -700,6 +753,19 @@ def remove(cfg: QueueConfig, families: Iterable[int] = FAMILIES) -> int:
         _nft(remove_script(cfg.table, family), f"delete table {fam} {cfg.table}")
         _remove_empty_mangle(family)
     return removed
+
+
+def leftovers(cfg: QueueConfig | None = None, families: Iterable[int] = FAMILIES) -> bool:
+    """Whether an nfqueue-mode kpx left its table or iptables rules here (read only).
+
+    What a kpx in the other mode asks at start (a SIGKILL, or a restart into
+    userspace mode, leaves them): the rules queue SYNs to a queue that no
+    process reads, so the kernel drops every new connection to a port they
+    served. Any kpx rule counts, whatever its queue number.
+    """
+    cfg = cfg or QueueConfig()
+    return any(table_objects(cfg.table, family) is not None or _kpx_saved(cfg.comment, family)
+               for family in families)
 
 
 def mangle_is_empty(listing: str) -> bool:

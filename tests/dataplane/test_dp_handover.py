@@ -34,6 +34,7 @@ OLD = """
 import asyncio, socket, sys
 from proxy.lifecycle.ownership import Ownership
 base, count, window, ready = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+queue = sys.argv[5] == "queue"  # as nfqueue mode: only to a successor that asks for the queue
 own = Ownership.acquire(base)
 socks = []
 for _ in range(count):
@@ -47,7 +48,9 @@ async def stop():
     loop = asyncio.get_running_loop()
     offer = own.offer(loop)
     while True:
-        successor = await offer.wait(lambda: [(s.getsockname(), s) for s in socks], window, ready)
+        successor = await offer.wait(
+            lambda want: None if queue and not want.get("queue") else
+            [(s.getsockname(), s) for s in socks], window, ready)
         print("successor", successor.pid if successor else "none", flush=True)
         if successor is not None or sys.stdin.readline().strip() != "again":
             break
@@ -76,8 +79,9 @@ class Old(Child):
     """The stopping owner, in a child process; ``say`` writes to its stdin."""
 
     def __init__(self, base: str, count: int = 1, window: float = 5.0,
-                 ready: float = 5.0) -> None:
-        super().__init__(OLD, base, str(count), str(window), str(ready))
+                 ready: float = 5.0, queue: bool = False) -> None:
+        super().__init__(OLD, base, str(count), str(window), str(ready),
+                         "queue" if queue else "-")
         words = self.line().split()
         assert words[0] == "ports"
         self.ports = [int(p) for p in words[1:]]
@@ -230,6 +234,39 @@ def test_no_successor_in_the_window_then_a_late_one_claims_the_released_name(
     try:
         assert own.owner and own.claim is None
         assert live_pids(base) == {old.proc.pid, os.getpid()}
+    finally:
+        own.close()
+
+
+def test_an_owner_passes_its_queue_only_to_a_successor_that_asks_for_it(
+    base: str, old_factory: type[Old],
+) -> None:
+    """nfqueue mode passes the queue's socket: a successor that binds a queue of its own (a
+    relay, an older kpx) would hold it bound and never read it. Such a one is told FREE,
+    and the owner gives the namespace up at once instead of at the window's end."""
+    old = old_factory(count=1, window=30.0, queue=True)
+    old.say("stop")
+    old.say("done")  # read once it has declined: then it releases the name
+    offering(base, old.proc.pid)
+    t0 = time.monotonic()
+    own = Ownership.acquire(base, successor_wait=10.0)
+    try:
+        assert own.owner and own.claim is None, "no sockets: it waited for the name"
+        assert time.monotonic() - t0 < 5.0, "the owner gave up at once, not after 30 s"
+        assert old.line() == "successor none"
+        assert old.line() == "released"
+    finally:
+        own.close()
+    old.say("exit")
+    assert old.proc.wait(5) == 0
+
+    again = old_factory(count=1, window=30.0, queue=True)
+    again.say("stop")
+    offering(base, again.proc.pid)
+    own = Ownership.acquire(base, successor_wait=10.0, queue=True)
+    try:
+        assert own.claim is not None
+        assert list(own.claim.take_listeners()) == [("127.0.0.1", again.ports[0])]
     finally:
         own.close()
 

@@ -474,6 +474,71 @@ def test_a_change_is_written_as_its_elements_and_ends_where_the_whole_table_woul
     assert stepped == whole
 
 
+def test_a_whole_write_in_place_ends_where_a_replacement_would() -> None:
+    """Flushed and filled again, from OLD to NEW: the same table as NEW written afresh. A
+    table that holds anything else is replaced (``write_table``)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+
+    def listing(*scripts: str) -> str:
+        for script in scripts:
+            res = subprocess.run(["nft", "-f", "-"], input=script, text=True,
+                                 capture_output=True, check=False)
+            assert res.returncode == 0, res.stderr
+        return sh("nft", "list", "table", "ip", CFG.table).stdout
+
+    def foreign_then_write() -> tuple[frozenset[tuple[str, str]] | None, str]:
+        listing(rules.nft_script(CFG, OLD), f"add chain ip {CFG.table} someone_elses\n")
+        before = rules.table_objects(CFG.table)
+        rules.write_table(CFG, NEW, "xt")
+        return before, sh("nft", "list", "table", "ip", CFG.table).stdout
+
+    in_place = in_fresh_netns("nfqwhole1", listing, rules.nft_script(CFG, OLD),
+                              rules.nft_script(CFG, NEW, in_place=True))
+    whole = in_fresh_netns("nfqwhole2", listing, rules.nft_script(CFG, NEW))
+    assert in_place == whole
+    assert in_fresh_netns("nfqwhole3", rules.table_objects, CFG.table, 4) is None
+    before, replaced = in_fresh_netns("nfqwhole4", foreign_then_write)
+    assert before == rules.OBJECTS | {("chain", "someone_elses")}
+    assert replaced == whole
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_whole_write_in_place_keeps_the_syns_waiting_in_the_queue(in_place: bool) -> None:
+    """A SYN waits, unanswered, while the table is written whole. In place, its verdict
+    then finds it and the connect completes at once. A replacement unregisters hooks, and
+    the kernel drops every queued packet with them: the verdict is refused, and the client
+    would retransmit a second later."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    with topology() as topo:
+        echo = in_netns(topo.pod1, backends.start, POD1_IP, BACKEND_PORT, "pod1")
+        q = in_netns(topo.node, QueueSocket, CFG.queue)
+        client = socket_in(topo.client)
+        try:
+            in_netns(topo.node, rules.install, CFG, SERVED, "xt")
+            client.setblocking(False)
+            client.connect_ex((NODE_IP, FORWARD))
+            assert select.select([q], [], [], 2.0)[0], "the SYN was not queued"
+            (syn,) = q.read_batch()
+            res = subprocess.run(["ip", "netns", "exec", topo.node, "nft", "-f", "-"],
+                                 input=rules.nft_script(CFG, SERVED, in_place=in_place),
+                                 text=True, capture_output=True, check=False)
+            assert res.returncode == 0, res.stderr
+            q.send_verdicts([netlink.accept(syn.packet_id,
+                                            CFG.layout.verdict_mark(syn.mark,
+                                                                    CFG.layout.forward(POD1)))])
+            connected = select.select([], [client], [], 0.5)[1] and not client.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ERROR)
+            if select.select([q], [], [], 0.2)[0]:
+                q.read_batch()  # the kernel's answer to a refused verdict, if any
+            assert (bool(connected), q.verdict_errors) == ((True, 0) if in_place else (False, 1))
+        finally:
+            client.close()
+            q.close()
+            echo.stop()
+
+
 def test_a_change_to_a_table_that_is_not_as_written_is_refused_whole() -> None:
     """Someone deleted a map element: the delta fails and changes nothing (kpx then writes
     the whole table)."""

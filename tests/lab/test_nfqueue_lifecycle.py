@@ -2,9 +2,11 @@
 
 kpx fails closed by default: while no process reads the queue, the kernel
 drops queued SYNs and the client retransmits. A rolling restart hands the
-queue over (the old process gives it back when it stops, the new one binds
-it); a SIGKILL leaves the rules behind, and the next kpx puts exactly one
-copy of each back. Every established connection is conntrack's throughout.
+queue over: the old process decides SYNs until the new one is ready, then
+gives the queue back and the new one binds it at once, so no SYN waits for
+a retransmit. A SIGKILL leaves the rules behind, and the next kpx puts
+exactly one copy of each back. Every established connection is conntrack's
+throughout.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from lab import Lab, netns
 from lab.common import wait_until
-from tests.support.labkit import lab_spec, service, wait_applied, who
+from tests.support.labkit import PacedConnects, lab_spec, service, wait_applied, who
 
 pytestmark = [pytest.mark.lab, pytest.mark.serial]
 
@@ -99,6 +101,58 @@ def test_a_restart_keeps_established_flows_and_decides_new_syns(
         assert kpx_rules(lab) == ONE_COPY, "a restart after SIGKILL must leave one copy"
     finally:
         held.close()
+
+
+def test_a_restart_hands_the_queue_over_so_no_syn_waits_for_a_retransmit(
+        lab_factory: LabFactory) -> None:
+    """A connect every 5 ms across a restart: each one's SYN is answered by the old process
+    or the new one. A SYN dropped while nobody held the queue would make its connect take
+    a second (the client's retransmit); the old process freed the queue before the new one
+    had started, 0.6-0.9 s of such SYNs."""
+    lab = lab_factory(lab_spec({"web-1": "node1"}, service("web", "Cluster")),
+                      extra_proxy_args=NFQ)
+    wait_applied(lab)
+    ip, port = lab.node_ip(NODE), lab.node_port("default/web")
+    with PacedConnects(lab, "client", ip, port, every=0.005) as load:
+        wait_until(lambda: len(load.since(0)) >= 20, 10, what="connects before the restart")
+        old, new = lab.restart_proxy(NODE)
+        restarted = time.monotonic()
+        wait_until(lambda: not netns.pid_alive(old), 15, what="the old kpx node to exit")
+        gone = time.monotonic()
+        wait_until(lambda: len(load.since(gone)) >= 20, 10, what="connects after it exited")
+    during = [c for c in load.done if restarted <= c.started < gone]
+    assert len(during) >= 20, f"only {len(during)} connects during the handover"
+    failed = [c for c in load.done if c.outcome != "ok"]
+    assert not failed, f"{len(failed)} of {len(load.done)} connects failed: {failed[:3]}"
+    slow = [c for c in load.done if c.took >= 0.9]
+    assert not slow, (f"{len(slow)} of {len(load.done)} connects waited for a retransmitted "
+                      f"SYN, from {slow[0].started - restarted:+.3f}s to "
+                      f"{slow[-1].started - restarted:+.3f}s after the restart")
+    log = lab.proxy_log(NODE)
+    assert f"handed this network namespace to kpx node pid {new}" in log
+    assert "nfqueue: another kpx is present; its rules stay" in log
+    assert kpx_rules(lab) == ONE_COPY
+
+
+def test_a_restart_into_userspace_mode_removes_the_queueing_rules(
+        lab_factory: LabFactory) -> None:
+    """As kube-proxy cleans up its other modes' rules at start. The old process sees its
+    successor present and leaves its rules, which would queue every SYN to a queue that no
+    process reads: the relay's listeners would never see one."""
+    lab = lab_factory(lab_spec({"web-1": "node1"}, service("web", "Cluster")),
+                      extra_proxy_args=NFQ)
+    wait_applied(lab)
+    ip, port = lab.node_ip(NODE), lab.node_port("default/web")
+    assert who(lab, "client", ip, port)[0]["pod"] == "web-1"
+    assert kpx_rules(lab) == ONE_COPY
+    lab.extra_proxy_args = ()  # the relay, kpx's default
+    old, new = lab.restart_proxy(NODE)
+    wait_until(lambda: not netns.pid_alive(old), 15, what="the nfqueue-mode kpx node to exit")
+    wait_until(lambda: kpx_rules(lab) == (0, 0, 0, 0), 10, what="the queueing rules removed")
+    assert "removed the rules an nfqueue-mode kpx left here" in lab.proxy_log(NODE)
+    reply, _ = who(lab, "client", ip, port, timeout=5.0)
+    assert reply["pod"] == "web-1"
+    assert lab.listener_pids(NODE, port) == {new}, "the relay serves the NodePort"
 
 
 def test_a_sync_writes_only_what_changed_and_repairs_a_table_someone_touched(

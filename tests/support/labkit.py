@@ -7,7 +7,8 @@ has applied the state file" (its log shows a newer generation,
 ``wait_applied``/``wait_log``) and "behaviour changed" (``poll_change``:
 poll a probe, report how long after the state file was written the change
 was first seen), and plain connects classified as ok/refused/timeout
-(``connect_outcome``, ``timed_connects``, ``who``). Raw SYNs and ``ss``
+(``connect_outcome``, ``timed_connects``, ``who``), or started at a steady pace
+whatever the earlier ones do (``PacedConnects``). Raw SYNs and ``ss``
 listings are ``tests.support.probes`` (pass ``lab.ns(name)``).
 
 Never: sleep and hope. Every wait is a poll with a deadline; a deadline that
@@ -16,17 +17,22 @@ passes is a failure with the evidence (the proxies' logs) attached.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from lab import Lab
+from lab import Lab, netns
 from lab.common import wait_until
 from lab.probes import family_of
 from tests.support import objects
@@ -199,6 +205,88 @@ def timed_connects(lab: Lab, src: str, targets: Iterable[tuple[str, int]],
     todo = list(targets)
     with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
         return dict(zip(todo, pool.map(one, todo), strict=True))
+
+
+@dataclass(frozen=True)
+class Connect:
+    """One of ``PacedConnects``' connects: when it started, how long it took, and what it saw."""
+
+    started: float
+    took: float
+    outcome: Outcome
+
+
+class PacedConnects:
+    """A connect() from ``src`` every ``every`` seconds, each in flight on its own; bounded.
+
+    Unlike a loop of one connection after another, a SYN that goes
+    unanswered holds up only its own connect (until its retransmit, a
+    second later), so every moment of a change is sampled. Each connection
+    is closed once it is up. Stops at ``stop``, ``max_count`` connects or
+    ``max_seconds``, whichever comes first, and waits for those in flight
+    (each at most ``timeout``).
+    """
+
+    def __init__(self, lab: Lab, src: str, ip: str, port: int, every: float = 0.005,
+                 timeout: float = 3.0, max_count: int = 8000, max_seconds: float = 40.0) -> None:
+        self.lab, self.src, self.to = lab, src, (ip, port)
+        self.every, self.timeout = every, timeout
+        self.max_count, self.max_seconds = max_count, max_seconds
+        self.done: list[Connect] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paced-connects", daemon=True)
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        started = 0
+        deadline = next_at = time.monotonic()
+        deadline += self.max_seconds
+        try:
+            while True:
+                now = time.monotonic()
+                starting = not self._stop.is_set() and started < self.max_count and now < deadline
+                if not starting and not sel.get_map():
+                    break
+                if starting and now >= next_at:
+                    s = netns.socket_in(self.lab.ns(self.src), family_of(self.to[0]))
+                    s.setblocking(False)
+                    s.connect_ex(self.to)
+                    sel.register(s, selectors.EVENT_WRITE, now)
+                    started += 1
+                    next_at = max(next_at + self.every, now)
+                wait = max(0.0, next_at - time.monotonic()) if starting else 0.05
+                for key, _ in sel.select(wait):
+                    self._finish(sel, key.fileobj, key.data, time.monotonic())  # type: ignore[arg-type]
+                now = time.monotonic()
+                for key in list(sel.get_map().values()):
+                    if now - key.data >= self.timeout:
+                        self._finish(sel, key.fileobj, key.data, now, "timeout")  # type: ignore[arg-type]
+        finally:
+            for key in list(sel.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            sel.close()
+
+    def _finish(self, sel: selectors.BaseSelector, s: socket.socket, started: float,
+                now: float, outcome: Outcome | None = None) -> None:
+        sel.unregister(s)
+        if outcome is None:
+            err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            outcome = {0: "ok", errno.ECONNREFUSED: "refused",
+                       errno.ECONNRESET: "reset"}.get(err, f"error: {os.strerror(err)}")
+        s.close()
+        self.done.append(Connect(started, now - started, outcome))
+
+    def since(self, t: float, ok: bool = True) -> list[Connect]:
+        """The connects started at ``t`` or later (only those that got through, by default)."""
+        return [c for c in list(self.done) if c.started >= t and (c.outcome == "ok" or not ok)]
+
+    def __enter__(self) -> PacedConnects:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout + 10)
 
 
 PROXY_MODES = ("userspace", "nfqueue")

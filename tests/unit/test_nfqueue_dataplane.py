@@ -23,10 +23,14 @@ import pytest
 
 from proxy.core.decision import build_plans
 from proxy.core.model import EndpointPort, ServicePort
-from proxy.nfqueue import conntrack
+from proxy.core.sync import SyncConfig, SyncResult, compute_sync
+from proxy.k8s import parse_state
+from proxy.nfqueue import conntrack, netlink, rules
 from proxy.nfqueue.dataplane import NfqueueDataplane, Slots, Tables, Targets, served_for
 from proxy.nfqueue.netlink import NF_ACCEPT, NF_DROP, Packet, Verdict
+from tests.support import objects
 from tests.support.model import endpoint, endpoint_slice, service, snapshot
+from tests.support.objects import node, state_yaml
 
 A, B, C = ("10.244.1.5", 8080), ("10.244.2.5", 8080), ("10.244.3.5", 8080)
 
@@ -178,19 +182,25 @@ def syn(dport: int, src: str = "192.0.2.7", dst: str = "10.77.0.11") -> bytes:
 
 
 class FakeQueue:
-    """What the reader uses of a ``QueueSocket``: batches in (a pipe byte each), verdicts out."""
+    """What the reader uses of a ``QueueSocket``: batches in (a pipe byte each), verdicts out.
+
+    ``read_batch`` never blocks, as the socket's does: nothing waiting reads as no packets.
+    """
 
     def __init__(self, batches: list[list[Packet]]) -> None:
         self.batches = batches
         self.sent: list[Verdict] = []
-        self._r, self._w = os.pipe()
+        self._r, self._w = os.pipe2(os.O_NONBLOCK)
         os.write(self._w, b"b" * len(batches))
 
     def fileno(self) -> int:
         return self._r
 
     def read_batch(self, max_reads: int = 64) -> list[Packet]:
-        os.read(self._r, 1)
+        try:
+            os.read(self._r, 1)
+        except BlockingIOError:
+            return []
         return self.batches.pop(0)
 
     def send_verdicts(self, verdicts: list[Verdict]) -> None:
@@ -303,3 +313,94 @@ def test_a_lone_syn_never_makes_the_next_one_wait(dataplane: NfqueueDataplane) -
     run_reader(dp, q, 3, timeout=10)
     assert [v.packet_id for v in q.sent] == [1, 2, 3]
     assert q.sent_at[2] - q.sent_at[0] < 10
+
+
+def test_a_reader_woken_to_stop_still_answers_what_is_queued(
+        dataplane: NfqueueDataplane) -> None:
+    """A restart's old process answers every SYN queued when it stops: closing the socket
+    would drop them, and their clients would retransmit a second later. The reader is
+    asleep in its batch wait when the last SYN comes and the stop is asked for, so it sees
+    both at once."""
+    dp = dataplane
+    dp.batch_wait = 2.0
+    q = FakeQueue([[Packet(1, 0, syn(30080)), Packet(2, 0, syn(30080))]])
+    dp._tables = Tables(dp._tabulate(plans(A), ("0.0.0.0",), {}))  # type: ignore[arg-type]
+    dp._start_reader(q)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while len(q.sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    q.batches.append([Packet(3, 0, syn(30080))])  # queued while it waits out the batch
+    os.write(q._w, b"b")
+    dp._stop_reader()
+    q.close()
+    assert [v.packet_id for v in q.sent] == [1, 2, 3]
+    assert q.sent[2] == Verdict(3, NF_ACCEPT, dp.cfg.layout.forward(1))
+
+
+class Steps:
+    """What the dataplane did to the kernel, in order: a fake queue socket and rules."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, dp: NfqueueDataplane) -> None:
+        self.done: list[str] = []
+        steps = self
+
+        class Bound:
+            def __init__(self, queue: int, **_: Any) -> None:
+                steps.done.append("bind")
+
+            def close(self) -> None:
+                steps.done.append("unbind")
+
+        def choose(queue: int) -> str:
+            self.done.append("probe")
+            return "xt"
+
+        def install(cfg: Any, served: Any, mechanism: Any, family: int) -> str:
+            assert mechanism == "xt", "probed once, before"
+            self.done.append(f"install IPv{family}")
+            return "xt"
+
+        monkeypatch.setattr(netlink, "QueueSocket", Bound)
+        monkeypatch.setattr(rules, "choose_mechanism", choose)
+        monkeypatch.setattr(rules, "install", install)
+        monkeypatch.setattr(dp, "_start_reader", lambda sock: self.done.append("read"))
+
+
+def nfq_sync() -> SyncResult:
+    snap = parse_state(state_yaml(node("node-a", "10.77.1.1"), objects.service(),
+                                  objects.endpoint_slice("web",
+                                                         objects.endpoint("10.1.0.2", "node-a"))))
+    return compute_sync(snap, SyncConfig(node_name="node-a"))
+
+
+def test_the_queue_is_read_only_once_the_first_tables_are_in_force(
+        monkeypatch: pytest.MonkeyPatch, dataplane: NfqueueDataplane) -> None:
+    """A SYN queued by rules left from before (a SIGKILLed kpx's: their slots may name other
+    endpoints) waits in the kernel until this process's tables are written."""
+    dp = dataplane
+    steps = Steps(monkeypatch, dp)
+    dp.apply(nfq_sync())
+    dp.loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
+    installs = [f"install IPv{f}" for f in dp.families]
+    assert steps.done == ["probe", "bind", *installs, "read"]
+    assert dp.generation_in_force == dp.generation
+
+
+def test_a_successor_works_out_its_tables_then_binds_and_writes_only_when_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its predecessor decides SYNs and holds the queue until this one is ``prepared``; then
+    the old one lets go, and ``proceed`` binds the queue, writes the tables and reads."""
+    loop = asyncio.new_event_loop()
+    dp = NfqueueDataplane(loop=loop, successor=True)
+    steps = Steps(monkeypatch, dp)
+    try:
+        dp.apply(nfq_sync())
+        loop.run_until_complete(asyncio.wait_for(dp.prepared.wait(), 10))
+        assert steps.done == ["probe"], "nothing of the kernel's is touched before proceed"
+        assert dp.generation_in_force == -1
+        dp.proceed()
+        loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
+        assert steps.done == ["probe", "bind", *[f"install IPv{f}" for f in dp.families],
+                              "read"]
+    finally:
+        loop.close()
