@@ -444,7 +444,8 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
                                             "deciding SYNs",
                                             lambda want: dataplane.listening_sockets()
                                             if want.get("queue") else None)
-    await dataplane.stop_accepting()  # the queue is free for a successor from here
+    # The successor holds the queue's socket from here, or it is free for one to bind.
+    await dataplane.stop_accepting()
     if sidecar_started and sidecar is not None:
         await sidecar.stop()
     if successor is not None:
