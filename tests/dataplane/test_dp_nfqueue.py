@@ -394,6 +394,17 @@ def test_install_picks_the_mechanism_the_probe_finds_and_logs_it(
 
 # -- pure pieces: the mark layout and the rendering -----------------------------------------
 
+def test_what_an_nfqueue_mode_kpx_left_behind_is_told_from_the_listings() -> None:
+    """Its table of either family, or any rule with its comment (whatever the queue)."""
+    save = ("*mangle\n:PREROUTING ACCEPT [0:0]\n-A PREROUTING -m mark --mark 0x1000/0x1000"
+            f' -m comment --comment {rules.COMMENT} -j NFQUEUE --queue-num 99\nCOMMIT\n')
+    others = "table inet kpx_tproxy\ntable ip kpx_vips\ntable ip kpx_nfq_probe\n"
+    assert not rules.left_behind(others, ["*mangle\nCOMMIT\n"])
+    assert rules.left_behind(others + f"table ip6 {CFG.table}\n", [])
+    assert rules.left_behind("", ["*mangle\nCOMMIT\n", save])
+    assert rules.save_argv(6) == ["ip6tables-save", "-t", "mangle"]
+
+
 def test_the_default_layout_stays_clear_of_kube_proxy_and_the_userspace_mode() -> None:
     lay = MarkLayout()
     assert lay.mask == 0xFFFF1000 and lay.mask & 0xE000 == 0
