@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -68,6 +69,7 @@ from proxy.sources.statefile import StateFileSource
 from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.transparent import ReturnPathGuard, RoutingConfig, TransparentRouting
 from proxy.userspace.vips import LocalVIPs, VIPGuard
+from proxy.util import spawn
 
 log = logging.getLogger(__name__)
 
@@ -275,25 +277,28 @@ async def remove_nfqueue_leftovers(families: tuple[int, ...]) -> None:
     here: the kernel drops them (or with ``--queue-bypass`` lets them meet
     the node undecided). A SIGKILL leaves them, and so does a restart into
     this mode (the old process sees a successor present). Established
-    connections that they DNATed lose their translation with them. Off the
-    loop: a few ``nft`` and ``iptables-save`` calls, only reads when there
-    is nothing to remove.
-    """
-    def work() -> int | None:
-        if not rules.leftovers(families=families):
-            return None
-        return rules.remove(rules.QueueConfig(), families)
+    connections that they DNATed lose their translation with them.
 
+    The look is ``nft list tables`` and ``iptables-save`` from the loop
+    (``spawn``: no thread, and the relay stays a single-threaded process).
+    Removing is a few ``iptables``/``nft`` calls that block the loop, once,
+    and only when there is something to remove.
+    """
     try:
-        removed = await asyncio.to_thread(work)
+        tables = (await spawn.run(["nft", "list", "tables"])).stdout
+        saves = []
+        for family in families:
+            with contextlib.suppress(FileNotFoundError):  # no ip6tables: nothing of it
+                saves.append((await spawn.run(rules.save_argv(family))).stdout)
+        if not rules.left_behind(tables, saves):
+            return
+        removed = rules.remove(rules.QueueConfig(), families)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.error("could not remove the rules an nfqueue-mode kpx left: %s; SYNs to the "
                   "ports they name may be dropped", exc)
         return
-    if removed is not None:
-        log.info("removed the rules an nfqueue-mode kpx left here (%d iptables/ip6tables "
-                 "rule(s) and the kpx_nfq tables): they queued SYNs that no process reads",
-                 removed)
+    log.info("removed the rules an nfqueue-mode kpx left here (%d iptables/ip6tables rule(s) "
+             "and the kpx_nfq tables): they queued SYNs that no process reads", removed)
 
 
 async def take_over(ownership: Ownership, loop: asyncio.AbstractEventLoop,
@@ -444,7 +449,8 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
                                             "deciding SYNs",
                                             lambda want: dataplane.listening_sockets()
                                             if want.get("queue") else None)
-    await dataplane.stop_accepting()  # the queue is free for a successor from here
+    # The successor holds the queue's socket from here, or it is free for one to bind.
+    await dataplane.stop_accepting()
     if sidecar_started and sidecar is not None:
         await sidecar.stop()
     if successor is not None:

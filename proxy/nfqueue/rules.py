@@ -585,6 +585,11 @@ def iptables_argv(op: str, rule: list[str], family: int = 4) -> list[str]:
 _IPTABLES = {4: "iptables", 6: "ip6tables"}
 
 
+def save_argv(family: int = 4) -> list[str]:
+    """``iptables-save -t mangle`` (``ip6tables-save``): where kpx's rules are listed."""
+    return [f"{_IPTABLES[family]}-save", "-t", "mangle"]
+
+
 def kpx_rules(save: str, comment: str = COMMENT) -> list[list[str]]:
     """kpx's rules in ``iptables-save -t mangle`` output, as ``[chain, *args]`` lists."""
     out: list[list[str]] = []
@@ -645,7 +650,7 @@ def choose_mechanism(queue: int = DEFAULT_QUEUE) -> Mechanism:
 def _saved(family: int = 4) -> str | None:
     """``iptables-save -t mangle`` (``ip6tables-save``) now; None if there is none to ask."""
     try:
-        res = _run([f"{_IPTABLES[family]}-save", "-t", "mangle"])
+        res = _run(save_argv(family))
     except FileNotFoundError:
         return None
     if res.returncode != 0:
@@ -755,8 +760,9 @@ def remove(cfg: QueueConfig, families: Iterable[int] = FAMILIES) -> int:
     return removed
 
 
-def leftovers(cfg: QueueConfig | None = None, families: Iterable[int] = FAMILIES) -> bool:
-    """Whether an nfqueue-mode kpx left its table or iptables rules here (read only).
+def left_behind(tables: str, saves: Iterable[str], cfg: QueueConfig | None = None) -> bool:
+    """Whether ``nft list tables`` and ``iptables-save -t mangle`` (``save_argv``) outputs show
+    a table or rule of an nfqueue-mode kpx (pure).
 
     What a kpx in the other mode asks at start (a SIGKILL, or a restart into
     userspace mode, leaves them): the rules queue SYNs to a queue that no
@@ -764,8 +770,9 @@ def leftovers(cfg: QueueConfig | None = None, families: Iterable[int] = FAMILIES
     served. Any kpx rule counts, whatever its queue number.
     """
     cfg = cfg or QueueConfig()
-    return any(table_objects(cfg.table, family) is not None or _kpx_saved(cfg.comment, family)
-               for family in families)
+    ours = {f"table {_nft_family(f).family} {cfg.table}" for f in FAMILIES}
+    return (any(line.strip() in ours for line in tables.splitlines())
+            or any(kpx_rules(save, cfg.comment) for save in saves))
 
 
 def mangle_is_empty(listing: str) -> bool:

@@ -394,6 +394,17 @@ def test_install_picks_the_mechanism_the_probe_finds_and_logs_it(
 
 # -- pure pieces: the mark layout and the rendering -----------------------------------------
 
+def test_what_an_nfqueue_mode_kpx_left_behind_is_told_from_the_listings() -> None:
+    """Its table of either family, or any rule with its comment (whatever the queue)."""
+    save = ("*mangle\n:PREROUTING ACCEPT [0:0]\n-A PREROUTING -m mark --mark 0x1000/0x1000"
+            f' -m comment --comment {rules.COMMENT} -j NFQUEUE --queue-num 99\nCOMMIT\n')
+    others = "table inet kpx_tproxy\ntable ip kpx_vips\ntable ip kpx_nfq_probe\n"
+    assert not rules.left_behind(others, ["*mangle\nCOMMIT\n"])
+    assert rules.left_behind(others + f"table ip6 {CFG.table}\n", [])
+    assert rules.left_behind("", ["*mangle\nCOMMIT\n", save])
+    assert rules.save_argv(6) == ["ip6tables-save", "-t", "mangle"]
+
+
 def test_the_default_layout_stays_clear_of_kube_proxy_and_the_userspace_mode() -> None:
     lay = MarkLayout()
     assert lay.mask == 0xFFFF1000 and lay.mask & 0xE000 == 0
@@ -451,6 +462,15 @@ NEW = Served(ports=frozenset({30080, 30082}), pairs=frozenset({("10.96.0.10", 80
                       ("10.96.0.10", "tcp", 80): {1: ("10.244.1.5", 8080)}})
 
 
+def nft_listing(*scripts: str) -> str:
+    """Run each nft script here (a fresh namespace's thread), then list kpx's IPv4 table."""
+    for script in scripts:
+        res = subprocess.run(["nft", "-f", "-"], input=script, text=True,
+                             capture_output=True, check=False)
+        assert res.returncode == 0, res.stderr
+    return sh("nft", "list", "table", "ip", CFG.table).stdout
+
+
 def test_a_change_is_written_as_its_elements_and_ends_where_the_whole_table_would() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
@@ -462,15 +482,8 @@ def test_a_change_is_written_as_its_elements_and_ends_where_the_whole_table_woul
     assert "10.244.3.5" in delta and "10.244.1.5 . 8080" not in delta
     assert delta.index("delete element") < delta.index("add element")
 
-    def listing(*scripts: str) -> str:
-        for script in scripts:
-            sh_in = subprocess.run(["nft", "-f", "-"], input=script, text=True,
-                                   capture_output=True, check=False)
-            assert sh_in.returncode == 0, sh_in.stderr
-        return sh("nft", "list", "table", "ip", CFG.table).stdout
-
-    stepped = in_fresh_netns("nfqdelta1", listing, rules.nft_script(CFG, OLD), delta)
-    whole = in_fresh_netns("nfqdelta2", listing, rules.nft_script(CFG, NEW))
+    stepped = in_fresh_netns("nfqdelta1", nft_listing, rules.nft_script(CFG, OLD), delta)
+    whole = in_fresh_netns("nfqdelta2", nft_listing, rules.nft_script(CFG, NEW))
     assert stepped == whole
 
 
@@ -480,22 +493,15 @@ def test_a_whole_write_in_place_ends_where_a_replacement_would() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
 
-    def listing(*scripts: str) -> str:
-        for script in scripts:
-            res = subprocess.run(["nft", "-f", "-"], input=script, text=True,
-                                 capture_output=True, check=False)
-            assert res.returncode == 0, res.stderr
-        return sh("nft", "list", "table", "ip", CFG.table).stdout
-
     def foreign_then_write() -> tuple[frozenset[tuple[str, str]] | None, str]:
-        listing(rules.nft_script(CFG, OLD), f"add chain ip {CFG.table} someone_elses\n")
+        nft_listing(rules.nft_script(CFG, OLD), f"add chain ip {CFG.table} someone_elses\n")
         before = rules.table_objects(CFG.table)
         rules.write_table(CFG, NEW, "xt")
         return before, sh("nft", "list", "table", "ip", CFG.table).stdout
 
-    in_place = in_fresh_netns("nfqwhole1", listing, rules.nft_script(CFG, OLD),
+    in_place = in_fresh_netns("nfqwhole1", nft_listing, rules.nft_script(CFG, OLD),
                               rules.nft_script(CFG, NEW, in_place=True))
-    whole = in_fresh_netns("nfqwhole2", listing, rules.nft_script(CFG, NEW))
+    whole = in_fresh_netns("nfqwhole2", nft_listing, rules.nft_script(CFG, NEW))
     assert in_place == whole
     assert in_fresh_netns("nfqwhole3", rules.table_objects, CFG.table, 4) is None
     before, replaced = in_fresh_netns("nfqwhole4", foreign_then_write)
