@@ -511,7 +511,7 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
         return "".join(out)
 
     if not in_place:
-        return f"table {fam} {cfg.table}\ndelete table {fam} {cfg.table}\n" + table(True)
+        return remove_script(cfg.table, family) + table(True)
     flush = "".join(f"flush {kind} {fam} {cfg.table} {name}\n" for kind, name, _, _ in objects)
     return table(False) + flush + table(True)
 
