@@ -110,6 +110,11 @@ QUEUE_KEY = "nfqueue"
 """The queue socket's key among a handover's listening sockets: ``(QUEUE_KEY, queue)``."""
 BIND_RETRY = 0.1
 """Seconds between attempts to bind a queue a predecessor still holds (a restart)."""
+PUT_RETRY = 1.0
+"""Seconds between attempts to put a sync's rules in force after one failed."""
+UNREAD_ATTEMPTS = 2
+"""Failed attempts at the first tables, once the queue is this process's, after which it is
+read anyway and every SYN refused: see ``_read_without_tables``."""
 
 
 class Table(NamedTuple):
@@ -497,6 +502,7 @@ class NfqueueDataplane:
         until ``proceed``: its predecessor decides SYNs until then, and holds
         the queue, so the queue is unread only while the tables are written.
         """
+        unread = 0  # failed attempts at the first tables while the queue is this process's
         while self._wanted is not None and not self._closed:
             wanted = self._wanted
             generation = wanted.generation
@@ -526,11 +532,16 @@ class NfqueueDataplane:
                 self._written = dict.fromkeys(rules.FAMILIES)
                 log.error("nfqueue: generation %d not put in force: %s; the last one stays",
                           generation, exc)
-                if self._health is not None and self.generation_in_force < 0:
-                    self._health.set_fault(self.FAULT, f"no rules in force: {exc}")
+                if self.generation_in_force < 0:
+                    if self._health is not None:
+                        self._health.set_fault(self.FAULT, f"no rules in force: {exc}")
+                    if self._go.is_set():
+                        unread += 1
+                        if unread >= UNREAD_ATTEMPTS:
+                            await self._read_without_tables()
                 if self._wanted is None:
                     self._wanted = wanted
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(PUT_RETRY)
                 continue
             self._tables, self._pending = pending, None
             if self._reader is None and self._sock is not None and self._accepting:
@@ -548,6 +559,34 @@ class NfqueueDataplane:
                      len(v6.pairs) + len(v6.udp_pairs), pending.v6.endpoints)
             for family in self.families:
                 await self._clean_udp(pending.of(family).udp_plans, family)
+
+    async def _read_without_tables(self) -> None:
+        """The first tables cannot be put in force: read the queue anyway, refusing every SYN.
+
+        The queue is this process's (its predecessor passed it on, or is gone),
+        and a predecessor's (or a SIGKILLed kpx's) rules go on queueing SYNs to
+        it. Unread, each would wait in the kernel until the queue is full,
+        then be dropped (or, with ``--queue-bypass``, meet the node
+        undecided): every client of every port would time out, with no end in
+        sight if the failure is in the input (a port with more endpoints than
+        a mark numbers). Read with no tables, each is refused at once, as a
+        port with no endpoints is, and ``/healthz`` says 503 meanwhile (the
+        fault). Not at the first failure: a write that fails once (nft or the
+        xtables lock busy) costs the waiting SYNs a second, not a refusal.
+        """
+        if self._reader is not None or not self._accepting:
+            return
+        if self._sock is None:
+            try:
+                await self._bind()
+            except OSError as exc:
+                log.error("nfqueue %d: cannot bind the queue: %s", self.cfg.queue, exc)
+                return
+        if self._sock is None or self._reader is not None:
+            return
+        log.error("nfqueue %d: no rules of this process are in force; every SYN queued is"
+                  " refused until a sync's are", self.cfg.queue)
+        self._start_reader(self._sock)
 
     async def _put_family(self, family: int, served: rules.Served) -> None:
         """Make ``family``'s table (and, the first time, its queueing rules) serve ``served``.
