@@ -113,8 +113,8 @@ BIND_RETRY = 0.1
 PUT_RETRY = 1.0
 """Seconds between attempts to put a sync's rules in force after one failed."""
 UNREAD_ATTEMPTS = 2
-"""Failed attempts at the first tables, once the queue is this process's, after which it is
-read anyway and every SYN refused: see ``_read_without_tables``."""
+"""Failed attempts at the first tables after which the queue, once this process's, is read
+anyway and every SYN refused: see ``_read_without_tables``."""
 
 
 class Table(NamedTuple):
@@ -502,7 +502,7 @@ class NfqueueDataplane:
         until ``proceed``: its predecessor decides SYNs until then, and holds
         the queue, so the queue is unread only while the tables are written.
         """
-        unread = 0  # failed attempts at the first tables while the queue is this process's
+        failed = 0  # attempts at the first tables
         while self._wanted is not None and not self._closed:
             wanted = self._wanted
             generation = wanted.generation
@@ -530,15 +530,16 @@ class NfqueueDataplane:
                 self._pending = None
                 # Unknown now: the next attempt writes the whole tables.
                 self._written = dict.fromkeys(rules.FAMILIES)
-                log.error("nfqueue: generation %d not put in force: %s; the last one stays",
-                          generation, exc)
+                # Retried every PUT_RETRY while it fails: rate-limited, per cause.
+                self._warn.log(logging.ERROR, ("put", type(exc).__name__),
+                               "nfqueue: generation %d not put in force: %s; the last one"
+                               " stays", generation, exc)
                 if self.generation_in_force < 0:
                     if self._health is not None:
                         self._health.set_fault(self.FAULT, f"no rules in force: {exc}")
-                    if self._go.is_set():
-                        unread += 1
-                        if unread >= UNREAD_ATTEMPTS:
-                            await self._read_without_tables()
+                    failed += 1
+                    if failed >= UNREAD_ATTEMPTS and self._go.is_set():
+                        await self._read_without_tables()
                 if self._wanted is None:
                     self._wanted = wanted
                 await asyncio.sleep(PUT_RETRY)
