@@ -388,7 +388,8 @@ class NfqueueDataplane:
         self._slots = {f: Slots(self.cfg.layout.max_index) for f in rules.FAMILIES}
         """Each family's own numbering: its nft table has its own DNAT maps."""
         self._installed: set[int] = set()
-        """The families whose table and rules ``rules.install`` has put in."""
+        """The families whose queueing rules are in (``_install``): the first write, and any
+        after a failed one, is theirs."""
         self._written: dict[int, rules.Served | None] = {f: None for f in rules.FAMILIES}
         """What each family's table holds, as kpx last wrote it; None: not known, write it
         whole."""
@@ -517,6 +518,10 @@ class NfqueueDataplane:
                 # touches the slots).
                 pending = Tables(*[await self._off_loop(self._tabulate, *want, fam)
                                    for fam, want in ((4, wanted.v4), (6, wanted.v6))])
+                # The first write's look at the tables there, while a predecessor
+                # still reads the queue (``_install``).
+                objects = (None if self._installed.issuperset(self.families)
+                           else await self._off_loop(self._table_objects))
                 self.prepared.set()
                 await self._go.wait()
                 if self._sock is None:
@@ -524,8 +529,12 @@ class NfqueueDataplane:
                     if self._sock is None:
                         return  # stopped meanwhile: the queue stays free for a successor
                 self._pending = pending
-                for family in self.families:
-                    await self._put_family(family, pending.of(family).served)
+                if objects is not None:
+                    await self._install(pending, objects)
+                else:
+                    for family in self.families:
+                        await self._write(pending.of(family).served, self._mechanism, family)
+                        self._written[family] = pending.of(family).served
             except (OSError, ValueError, RuntimeError) as exc:
                 self._pending = None
                 # Unknown now: the next attempt writes the whole tables.
@@ -545,8 +554,6 @@ class NfqueueDataplane:
                 await asyncio.sleep(PUT_RETRY)
                 continue
             self._tables, self._pending = pending, None
-            if self._reader is None and self._sock is not None and self._accepting:
-                self._start_reader(self._sock)
             self.generation_in_force = generation
             self.synced.set()
             if self._health is not None:
@@ -589,20 +596,35 @@ class NfqueueDataplane:
                   " refused until a sync's are", self.cfg.queue)
         self._start_reader(self._sock)
 
-    async def _put_family(self, family: int, served: rules.Served) -> None:
-        """Make ``family``'s table (and, the first time, its queueing rules) serve ``served``.
+    def _table_objects(self) -> dict[int, frozenset[tuple[str, str]] | None]:
+        return {f: rules.table_objects(self.cfg.table, f) for f in self.families}
 
-        A family whose install failed is installed again next time.
+    async def _install(self, pending: Tables,
+                       objects: Mapping[int, frozenset[tuple[str, str]] | None]) -> None:
+        """The first write: every family's whole table in one transaction, then the reader,
+        then the queueing rules.
+
+        From the bind (a successor: from taking the queue over) until the
+        reader starts, the queue is unread and the SYNs queued meanwhile wait
+        in it. So only what their verdicts need comes in between: the tables,
+        whose slots the marks name (written in place, which keeps the waiting
+        SYNs: ``rules.nft_script``). The queueing rules come after: a
+        predecessor's are in place already, and on a fresh start nothing is
+        queued before they are. A family whose rules failed is installed
+        again, whole, at the next attempt.
         """
-        if family not in self._installed:
-            self._mechanism = await self._off_loop(rules.install, self.cfg, served,
-                                                   self._mechanism, family)
+        assert self._mechanism is not None
+        served = {f: pending.of(f).served for f in self.families}
+        await self._off_loop(rules.write_tables, self.cfg, served, self._mechanism, objects)
+        now = time.monotonic()
+        for family in self.families:
+            self._written[family], self._whole_at[family] = served[family], now
+        self._tables = pending  # in the kernel now: what the verdicts may name
+        if self._reader is None and self._sock is not None and self._accepting:
+            self._start_reader(self._sock)
+        for family in self.families:
+            await self._off_loop(rules.queue_syns, self.cfg, self._mechanism, family)
             self._installed.add(family)
-            self._whole_at[family] = time.monotonic()
-        else:
-            assert self._mechanism is not None
-            await self._write(served, self._mechanism, family)
-        self._written[family] = served
 
     async def _write(self, served: rules.Served, mechanism: rules.Mechanism,
                      family: int = 4) -> None:

@@ -360,16 +360,24 @@ class Steps:
             self.done.append("probe")
             return "xt"
 
-        def install(cfg: Any, served: Any, mechanism: Any, family: int) -> str:
+        def table_objects(table: str, family: int) -> None:
+            self.done.append(f"list IPv{family}")
+
+        def write_tables(cfg: Any, served: Any, mechanism: Any, objects: Any) -> None:
             assert mechanism == "xt", "probed once, before"
-            self.done.append(f"install IPv{family}")
+            assert sorted(served) == sorted(objects) == sorted(dp.families)
+            self.done.append("write")
             if self.failing:
-                raise OSError("nft: Could not process rule: Device or resource busy")
-            return "xt"
+                raise RuntimeError("nft -f: Could not process rule: Device or resource busy")
+
+        def queue_syns(cfg: Any, mechanism: Any, family: int) -> None:
+            self.done.append(f"queue IPv{family}")
 
         monkeypatch.setattr(netlink, "QueueSocket", Bound)
         monkeypatch.setattr(rules, "choose_mechanism", choose)
-        monkeypatch.setattr(rules, "install", install)
+        monkeypatch.setattr(rules, "table_objects", table_objects)
+        monkeypatch.setattr(rules, "write_tables", write_tables)
+        monkeypatch.setattr(rules, "queue_syns", queue_syns)
         def start_reader(sock: Any) -> None:
             self.done.append("read")
             dp._reader = threading.Thread(target=lambda: None)  # stands for it: never joined
@@ -384,17 +392,29 @@ def nfq_sync() -> SyncResult:
     return compute_sync(snap, SyncConfig(node_name="node-a"))
 
 
-def test_the_queue_is_read_only_once_the_first_tables_are_in_force(
+def lists(dp: NfqueueDataplane) -> list[str]:
+    return [f"list IPv{f}" for f in dp.families]
+
+
+def queues(dp: NfqueueDataplane) -> list[str]:
+    return [f"queue IPv{f}" for f in dp.families]
+
+
+def test_the_queue_is_read_once_the_first_tables_are_written_and_before_anything_else(
         monkeypatch: pytest.MonkeyPatch, dataplane: NfqueueDataplane) -> None:
     """A SYN queued by rules left from before (a SIGKILLed kpx's: their slots may name other
-    endpoints) waits in the kernel until this process's tables are written."""
+    endpoints) waits in the kernel until this process's tables are written: both families'
+    in one transaction, looked at before the bind. The queueing rules wait for the reader:
+    nothing they queue would be read sooner."""
     dp = dataplane
     steps = Steps(monkeypatch, dp)
     dp.apply(nfq_sync())
     dp.loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
-    installs = [f"install IPv{f}" for f in dp.families]
-    assert steps.done == ["probe", "bind", *installs, "read"]
+    assert steps.done == ["probe", *lists(dp), "bind", "write", "read", *queues(dp)]
     assert dp.generation_in_force == dp.generation
+    dp.apply(nfq_sync())  # the next write is a change: nothing is listed or queued again
+    dp.loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
+    assert steps.done == ["probe", *lists(dp), "bind", "write", "read", *queues(dp)]
 
 
 def test_a_successor_works_out_its_tables_then_binds_and_writes_only_when_told(
@@ -407,12 +427,11 @@ def test_a_successor_works_out_its_tables_then_binds_and_writes_only_when_told(
     try:
         dp.apply(nfq_sync())
         loop.run_until_complete(asyncio.wait_for(dp.prepared.wait(), 10))
-        assert steps.done == ["probe"], "nothing of the kernel's is touched before proceed"
+        assert steps.done == ["probe", *lists(dp)], "nothing of the kernel's is changed"
         assert dp.generation_in_force == -1
         dp.proceed()
         loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
-        assert steps.done == ["probe", "bind", *[f"install IPv{f}" for f in dp.families],
-                              "read"]
+        assert steps.done == ["probe", *lists(dp), "bind", "write", "read", *queues(dp)]
     finally:
         loop.close()
 
@@ -436,7 +455,7 @@ def test_a_queue_whose_first_tables_fail_is_read_and_every_syn_refused_until_the
     steps.failing = True
     dp.apply(nfq_sync())
     run_until(dp.loop, lambda: "read" in steps.done)
-    assert steps.done == ["probe", "bind", "install IPv4", "install IPv4", "read"]
+    assert steps.done == ["probe", *lists(dp), "bind", "write", *lists(dp), "write", "read"]
     assert dp.generation_in_force == -1
     assert dp._tables == Tables(), "nothing to decide by: every SYN is refused"
     steps.failing = False
