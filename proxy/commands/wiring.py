@@ -67,7 +67,12 @@ from proxy.sources.kubeapi import KubeAPISource
 from proxy.sources.kubeconfig import KubeConfig
 from proxy.sources.statefile import StateFileSource
 from proxy.userspace.dataplane import Dataplane
-from proxy.userspace.transparent import ReturnPathGuard, RoutingConfig, TransparentRouting
+from proxy.userspace.transparent import (
+    NFT_TABLE,
+    ReturnPathGuard,
+    RoutingConfig,
+    TransparentRouting,
+)
 from proxy.userspace.vips import LocalVIPs, VIPGuard
 from proxy.util import spawn
 
@@ -301,6 +306,39 @@ async def remove_nfqueue_leftovers(families: tuple[int, ...]) -> None:
              "and the kpx_nfq tables): they queued SYNs that no process reads", removed)
 
 
+LEFTOVER_POLL = 1.0
+"""Seconds between looks for the last other kpx to have gone (``remove_relay_leftovers``)."""
+
+
+async def remove_relay_leftovers(dataplane: NfqueueDataplane) -> None:
+    """nfqueue mode: remove the client-IP return path a relay left, once no other kpx is
+    present, as the relay's cleanup at start removes an nfqueue-mode kpx's rules.
+
+    A relay restarted into nfqueue mode leaves it: it drains with its
+    successor present, and whoever exits last removes the return path. Here
+    that is this process, which installs none (plain DNAT keeps the client
+    IP), so nobody else would. It marks only packets of transparent sockets,
+    which this mode never opens: harmless, but not this mode's to keep. So
+    once the first tables are in force, this waits for the draining relay to
+    exit (a look at the presence names each ``LEFTOVER_POLL``, as long as it
+    takes), then removes each family's part it finds.
+    """
+    await dataplane.synced.wait()
+    while live_pids() - {os.getpid()}:
+        await asyncio.sleep(LEFTOVER_POLL)
+    for family in dataplane.families:
+        try:
+            removed = await TransparentRouting(RoutingConfig(family=family)).remove_left_behind()
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+            log.error("could not remove the IPv%d return path a userspace-mode kpx left: %s",
+                      family, exc)
+            continue
+        if removed:
+            log.info("removed the IPv%d client-IP return path a userspace-mode kpx left here"
+                     " (nft table inet %s, its fwmark rule and route): nfqueue mode keeps the"
+                     " client IP by DNAT", family, NFT_TABLE)
+
+
 async def take_over(ownership: Ownership, loop: asyncio.AbstractEventLoop,
                     ready: Awaitable[object], then: Callable[[], Awaitable[None]]) -> None:
     """A successor: say "serving" once ``ready``, own the name, then ``then`` (the health
@@ -439,8 +477,10 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
         if ownership is not None:
             ownership.attach(loop)
         await start()
+    leftovers = asyncio.create_task(remove_relay_leftovers(dataplane), name="relay-leftovers")
     interrupted, stopper = await run_until_stopped(loop, args, source, watcher,
                                                    " in nfqueue mode")
+    leftovers.cancel()
     if takeover is not None and not takeover.done():
         takeover.cancel()
         await asyncio.gather(takeover, return_exceptions=True)

@@ -110,6 +110,11 @@ QUEUE_KEY = "nfqueue"
 """The queue socket's key among a handover's listening sockets: ``(QUEUE_KEY, queue)``."""
 BIND_RETRY = 0.1
 """Seconds between attempts to bind a queue a predecessor still holds (a restart)."""
+PUT_RETRY = 1.0
+"""Seconds between attempts to put a sync's rules in force after one failed."""
+UNREAD_ATTEMPTS = 2
+"""Failed attempts at the first tables after which the queue, once this process's, is read
+anyway and every SYN refused: see ``_read_without_tables``."""
 
 
 class Table(NamedTuple):
@@ -383,7 +388,8 @@ class NfqueueDataplane:
         self._slots = {f: Slots(self.cfg.layout.max_index) for f in rules.FAMILIES}
         """Each family's own numbering: its nft table has its own DNAT maps."""
         self._installed: set[int] = set()
-        """The families whose table and rules ``rules.install`` has put in."""
+        """The families whose queueing rules are in (``_install``): the first write, and any
+        after a failed one, is theirs."""
         self._written: dict[int, rules.Served | None] = {f: None for f in rules.FAMILIES}
         """What each family's table holds, as kpx last wrote it; None: not known, write it
         whole."""
@@ -497,6 +503,7 @@ class NfqueueDataplane:
         until ``proceed``: its predecessor decides SYNs until then, and holds
         the queue, so the queue is unread only while the tables are written.
         """
+        failed = 0  # attempts at the first tables
         while self._wanted is not None and not self._closed:
             wanted = self._wanted
             generation = wanted.generation
@@ -511,6 +518,10 @@ class NfqueueDataplane:
                 # touches the slots).
                 pending = Tables(*[await self._off_loop(self._tabulate, *want, fam)
                                    for fam, want in ((4, wanted.v4), (6, wanted.v6))])
+                # The first write's look at the tables there, while a predecessor
+                # still reads the queue (``_install``).
+                objects = (None if self._installed.issuperset(self.families)
+                           else await self._off_loop(self._table_objects))
                 self.prepared.set()
                 await self._go.wait()
                 if self._sock is None:
@@ -518,23 +529,31 @@ class NfqueueDataplane:
                     if self._sock is None:
                         return  # stopped meanwhile: the queue stays free for a successor
                 self._pending = pending
-                for family in self.families:
-                    await self._put_family(family, pending.of(family).served)
+                if objects is not None:
+                    await self._install(pending, objects)
+                else:
+                    for family in self.families:
+                        await self._write(pending.of(family).served, self._mechanism, family)
+                        self._written[family] = pending.of(family).served
             except (OSError, ValueError, RuntimeError) as exc:
                 self._pending = None
                 # Unknown now: the next attempt writes the whole tables.
                 self._written = dict.fromkeys(rules.FAMILIES)
-                log.error("nfqueue: generation %d not put in force: %s; the last one stays",
-                          generation, exc)
-                if self._health is not None and self.generation_in_force < 0:
-                    self._health.set_fault(self.FAULT, f"no rules in force: {exc}")
+                # Retried every PUT_RETRY while it fails: rate-limited, per cause.
+                self._warn.log(logging.ERROR, ("put", type(exc).__name__),
+                               "nfqueue: generation %d not put in force: %s; the last one"
+                               " stays", generation, exc)
+                if self.generation_in_force < 0:
+                    if self._health is not None:
+                        self._health.set_fault(self.FAULT, f"no rules in force: {exc}")
+                    failed += 1
+                    if failed >= UNREAD_ATTEMPTS and self._go.is_set():
+                        await self._read_without_tables()
                 if self._wanted is None:
                     self._wanted = wanted
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(PUT_RETRY)
                 continue
             self._tables, self._pending = pending, None
-            if self._reader is None and self._sock is not None and self._accepting:
-                self._start_reader(self._sock)
             self.generation_in_force = generation
             self.synced.set()
             if self._health is not None:
@@ -549,20 +568,63 @@ class NfqueueDataplane:
             for family in self.families:
                 await self._clean_udp(pending.of(family).udp_plans, family)
 
-    async def _put_family(self, family: int, served: rules.Served) -> None:
-        """Make ``family``'s table (and, the first time, its queueing rules) serve ``served``.
+    async def _read_without_tables(self) -> None:
+        """The first tables cannot be put in force: read the queue anyway, refusing every SYN.
 
-        A family whose install failed is installed again next time.
+        The queue is this process's (its predecessor passed it on, or is gone),
+        and a predecessor's (or a SIGKILLed kpx's) rules go on queueing SYNs to
+        it. Unread, each would wait in the kernel until the queue is full,
+        then be dropped (or, with ``--queue-bypass``, meet the node
+        undecided): every client of every port would time out, with no end in
+        sight if the failure is in the input (a port with more endpoints than
+        a mark numbers). Read with no tables, each is refused at once, as a
+        port with no endpoints is, and ``/healthz`` says 503 meanwhile (the
+        fault). Not at the first failure: a write that fails once (nft or the
+        xtables lock busy) costs the waiting SYNs a second, not a refusal.
         """
-        if family not in self._installed:
-            self._mechanism = await self._off_loop(rules.install, self.cfg, served,
-                                                   self._mechanism, family)
+        if self._reader is not None or not self._accepting:
+            return
+        if self._sock is None:
+            try:
+                await self._bind()
+            except OSError as exc:
+                log.error("nfqueue %d: cannot bind the queue: %s", self.cfg.queue, exc)
+                return
+        if self._sock is None or self._reader is not None:
+            return
+        log.error("nfqueue %d: no rules of this process are in force; every SYN queued is"
+                  " refused until a sync's are", self.cfg.queue)
+        self._start_reader(self._sock)
+
+    def _table_objects(self) -> dict[int, frozenset[tuple[str, str]] | None]:
+        return {f: rules.table_objects(self.cfg.table, f) for f in self.families}
+
+    async def _install(self, pending: Tables,
+                       objects: Mapping[int, frozenset[tuple[str, str]] | None]) -> None:
+        """The first write: every family's whole table in one transaction, then the reader,
+        then the queueing rules.
+
+        From the bind (a successor: from taking the queue over) until the
+        reader starts, the queue is unread and the SYNs queued meanwhile wait
+        in it. So only what their verdicts need comes in between: the tables,
+        whose slots the marks name (written in place, which keeps the waiting
+        SYNs: ``rules.nft_script``). The queueing rules come after: a
+        predecessor's are in place already, and on a fresh start nothing is
+        queued before they are. A family whose rules failed is installed
+        again, whole, at the next attempt.
+        """
+        assert self._mechanism is not None
+        served = {f: pending.of(f).served for f in self.families}
+        await self._off_loop(rules.write_tables, self.cfg, served, self._mechanism, objects)
+        now = time.monotonic()
+        for family in self.families:
+            self._written[family], self._whole_at[family] = served[family], now
+        self._tables = pending  # in the kernel now: what the verdicts may name
+        if self._reader is None and self._sock is not None and self._accepting:
+            self._start_reader(self._sock)
+        for family in self.families:
+            await self._off_loop(rules.queue_syns, self.cfg, self._mechanism, family)
             self._installed.add(family)
-            self._whole_at[family] = time.monotonic()
-        else:
-            assert self._mechanism is not None
-            await self._write(served, self._mechanism, family)
-        self._written[family] = served
 
     async def _write(self, served: rules.Served, mechanism: rules.Mechanism,
                      family: int = 4) -> None:

@@ -535,6 +535,32 @@ def write_table(cfg: QueueConfig, served: Served, mechanism: Mechanism, family: 
     _nft(nft_script(cfg, served, mechanism, family), what)
 
 
+def write_tables(cfg: QueueConfig, served: Mapping[int, Served], mechanism: Mechanism,
+                 objects: Mapping[int, frozenset[tuple[str, str]] | None]) -> None:
+    """Write each family's whole table (``served``: family -> what it serves) in one ``nft``
+    transaction, each in place when ``objects`` (``table_objects``, listed beforehand)
+    says it holds just kpx's objects.
+
+    For a restart's successor: between taking the queue over and reading it,
+    the queue is unread, and one ``nft`` run for both families is half of
+    two (most of a run is ``nft`` starting and reading the ruleset). The
+    listing comes before, while the predecessor still reads the queue: it
+    changes elements, never objects. If the transaction is refused (a table
+    changed meanwhile), each family is written on its own, as
+    ``write_table`` does. RuntimeError if that fails too; ValueError for bad
+    input, before anything runs.
+    """
+    script = "".join(nft_script(cfg, served[f], mechanism, f, in_place=objects.get(f) == OBJECTS)
+                     for f in served)
+    res = _run(["nft", "-f", "-"], script)
+    if res.returncode == 0:
+        return
+    log.warning("nfqueue: tables %s not written in one transaction (%s); writing each on its"
+                " own", cfg.table, res.stderr.strip() or res.returncode)
+    for family, each in served.items():
+        write_table(cfg, each, mechanism, family)
+
+
 def table_objects(table: str = NFT_TABLE, family: int = 4) -> frozenset[tuple[str, str]] | None:
     """The ``(kind, name)`` of every set, map and chain of ``family``'s table now; None if
     there is no such table (or nft cannot say). ``nft -t`` leaves the elements out."""
@@ -714,11 +740,17 @@ def install(cfg: QueueConfig, served: Served, mechanism: Mechanism | None = None
     if mechanism is None:
         mechanism = choose_mechanism(cfg.queue)
     write_table(cfg, served, mechanism, family)  # ValueError: nothing changed yet
+    queue_syns(cfg, mechanism, family)
+    return mechanism
+
+
+def queue_syns(cfg: QueueConfig, mechanism: Mechanism, family: int = 4) -> None:
+    """``install``'s second half: with xt, exactly one copy of each queueing rule of
+    ``family``; with nft's ``queue`` (in the table), none. Idempotent."""
     if mechanism == "xt":
         _ensure_xt(cfg, family)
     else:
         _remove_xt(cfg, family)
-    return mechanism
 
 
 def _remove_xt(cfg: QueueConfig, family: int = 4) -> int:

@@ -365,6 +365,21 @@ class TransparentRouting:
         if self._remove_if_alone():
             log.info("transparent return path removed")
 
+    async def remove_left_behind(self) -> bool:
+        """Remove a return path that another kpx left, unless one is present; True if removed.
+
+        For nfqueue mode, which keeps the client IP by plain DNAT and installs
+        none: a relay restarted into it leaves its return path while it drains
+        (its successor is present), and the last one out is then the
+        nfqueue-mode process. Only what is exactly kpx's is removed, as at a
+        relay's own exit. The look is the loop's own subprocesses; the removal,
+        under the routing lock, is a thread's.
+        """
+        missing = await _drive_async(self._missing_steps())
+        if set(missing) == set(PARTS):
+            return False
+        return await asyncio.to_thread(self._remove_if_alone)
+
     def _remove_if_alone(self) -> bool:
         """Remove the routing unless another kpx in this namespace is present; True if removed."""
         with routing_lock(self.base):

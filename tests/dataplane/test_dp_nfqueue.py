@@ -509,6 +509,53 @@ def test_a_whole_write_in_place_ends_where_a_replacement_would() -> None:
     assert replaced == whole
 
 
+NEW6 = Served(ports=frozenset({30080}),
+              targets={(None, "tcp", 30080): {1: ("fd00:244:1::5", 8080)}})
+
+
+def both_tables(*scripts: str) -> str:
+    """Run each nft script here, then list kpx's IPv4 and IPv6 tables."""
+    nft_listing(*scripts)
+    return "".join(sh("nft", "list", "table", fam, CFG.table).stdout for fam in ("ip", "ip6"))
+
+
+def test_a_first_write_puts_both_families_in_one_transaction_where_each_afresh_would_end(
+        ) -> None:
+    """A restart's successor writes both tables while the queue it took over is unread: one
+    ``nft`` run, each table in place if the look before said so (IPv4 here), else replaced
+    (IPv6, absent). When the look is stale and nft refuses (a set of another type where
+    kpx's was), each is written on its own, and replaced."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    afresh = in_fresh_netns("nfqboth1", both_tables, rules.nft_script(CFG, NEW),
+                            rules.nft_script(CFG, NEW6, family=6))
+
+    def handle() -> int:
+        """The IPv4 table's handle: kept in place, new when the table is replaced."""
+        listed = json.loads(sh("nft", "-j", "list", "table", "ip", CFG.table).stdout)
+        return next(o["table"]["handle"] for o in listed["nftables"] if "table" in o)
+
+    def look_then_write(tamper: str) -> tuple[dict[int, object], bool, str]:
+        nft_listing(rules.nft_script(CFG, OLD))
+        objects = {f: rules.table_objects(CFG.table, f) for f in (4, 6)}
+        if tamper:
+            nft_listing(tamper)
+        before = handle()
+        rules.write_tables(CFG, {4: NEW, 6: NEW6}, "xt", objects)
+        return objects, handle() == before, both_tables()
+
+    objects, kept, written = in_fresh_netns("nfqboth2", look_then_write, "")
+    assert objects == {4: rules.OBJECTS, 6: None}
+    assert kept, "written in place"
+    assert written == afresh
+    retyped = (f"delete table ip {CFG.table}\nadd table ip {CFG.table}\n"
+               f"add set ip {CFG.table} ports {{ type ipv4_addr; }}\n")
+    objects, kept, written = in_fresh_netns("nfqboth3", look_then_write, retyped)
+    assert objects == {4: rules.OBJECTS, 6: None}
+    assert not kept, "refused in place, then replaced"
+    assert written == afresh
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 def test_a_whole_write_in_place_keeps_the_syns_waiting_in_the_queue(in_place: bool) -> None:
     """A SYN waits, unanswered, while the table is written whole. In place, its verdict

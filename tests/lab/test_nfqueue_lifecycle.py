@@ -21,7 +21,7 @@ import pytest
 
 from lab import Lab, netns
 from lab.common import wait_until
-from tests.support.labkit import PacedConnects, lab_spec, service, wait_applied, who
+from tests.support.labkit import PacedConnects, lab_spec, peer_ip, service, wait_applied, who
 
 pytestmark = [pytest.mark.lab, pytest.mark.serial]
 
@@ -153,6 +153,50 @@ def test_a_restart_into_userspace_mode_removes_the_queueing_rules(
     reply, _ = who(lab, "client", ip, port, timeout=5.0)
     assert reply["pod"] == "web-1"
     assert lab.listener_pids(NODE, port) == {new}, "the relay serves the NodePort"
+
+
+def return_path(lab: Lab) -> tuple[bool, int, int]:
+    """NODE's relay return path: (the ``inet kpx_tproxy`` table, its IPv4 fwmark rules, its
+    IPv4 ``local`` routes in table 7078)."""
+    tables = lab.run(NODE, ["nft", "list", "tables"]).stdout.splitlines()
+    rules = lab.run(NODE, ["ip", "-4", "rule", "show", "pref", "7078"]).stdout
+    routes = lab.run(NODE, ["ip", "-4", "route", "show", "table", "7078"]).stdout
+    return ("table inet kpx_tproxy" in tables, len(rules.splitlines()),
+            sum(line.startswith("local") for line in routes.splitlines()))
+
+
+def test_a_restart_into_nfqueue_mode_removes_the_relays_return_path_once_the_relay_is_gone(
+        lab_factory: LabFactory) -> None:
+    """The relay keeps the client IP with transparent sockets and a return path; nfqueue mode
+    needs none (plain DNAT). The old relay leaves it while it drains, as its successor is
+    present; a connection it still relays needs it until then. The last one out is the
+    nfqueue-mode process, so it removes it once the relay has gone."""
+    lab = lab_factory(lab_spec({"web-1": NODE}, service("web", "Local")))
+    wait_applied(lab)
+    ip, port = lab.node_ip(NODE), lab.node_port("default/web")
+    assert return_path(lab) == (True, 1, 1)
+    held = echo_conn(lab, ip, port)  # the relay's, with the client's IP toward the pod
+    try:
+        assert echoes(held, b"before" * 1000)
+        lab.extra_proxy_args = tuple(NFQ)
+        old, _ = lab.restart_proxy(NODE)
+        wait_until(lambda: "nfqueue rules in force" in lab.proxy_log(NODE), 15,
+                   what="the nfqueue-mode kpx node's rules in force")
+        reply, local = who(lab, "client", ip, port, timeout=5.0)
+        assert (reply["pod"], peer_ip(reply)) == ("web-1", local[0]), "the client IP is kept"
+        time.sleep(2.5)  # more than two looks for the relay to have gone
+        assert netns.pid_alive(old), "the relay drains the connection it holds"
+        assert return_path(lab) == (True, 1, 1), "removed under a connection still relayed"
+        assert echoes(held, b"draining" * 1000)
+    finally:
+        held.close()
+    wait_until(lambda: not netns.pid_alive(old), 15, what="the relay to finish draining")
+    wait_until(lambda: return_path(lab) == (False, 0, 0), 10, what="the return path removed")
+    assert "removed the IPv4 client-IP return path a userspace-mode kpx left" in \
+        lab.proxy_log(NODE)
+    reply, local = who(lab, "client", ip, port, timeout=5.0)
+    assert (reply["pod"], peer_ip(reply)) == ("web-1", local[0])
+    assert kpx_rules(lab) == ONE_COPY
 
 
 def test_a_sync_writes_only_what_changed_and_repairs_a_table_someone_touched(

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from proxy.core.model import EndpointPort, ServicePort
 from proxy.core.sync import SyncConfig, SyncResult, compute_sync
 from proxy.k8s import parse_state
 from proxy.nfqueue import conntrack, netlink, rules
+from proxy.nfqueue import dataplane as nfq_dataplane
 from proxy.nfqueue.dataplane import NfqueueDataplane, Slots, Tables, Targets, served_for
 from proxy.nfqueue.netlink import NF_ACCEPT, NF_DROP, Packet, Verdict
 from tests.support import objects
@@ -342,7 +344,10 @@ class Steps:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, dp: NfqueueDataplane) -> None:
         self.done: list[str] = []
+        self.failing = False
+        """Every install fails (as nft would with the rules refused)."""
         steps = self
+        monkeypatch.setattr(nfq_dataplane, "PUT_RETRY", 0.01)
 
         class Bound:
             def __init__(self, queue: int, **_: Any) -> None:
@@ -355,15 +360,29 @@ class Steps:
             self.done.append("probe")
             return "xt"
 
-        def install(cfg: Any, served: Any, mechanism: Any, family: int) -> str:
+        def table_objects(table: str, family: int) -> None:
+            self.done.append(f"list IPv{family}")
+
+        def write_tables(cfg: Any, served: Any, mechanism: Any, objects: Any) -> None:
             assert mechanism == "xt", "probed once, before"
-            self.done.append(f"install IPv{family}")
-            return "xt"
+            assert sorted(served) == sorted(objects) == sorted(dp.families)
+            self.done.append("write")
+            if self.failing:
+                raise RuntimeError("nft -f: Could not process rule: Device or resource busy")
+
+        def queue_syns(cfg: Any, mechanism: Any, family: int) -> None:
+            self.done.append(f"queue IPv{family}")
 
         monkeypatch.setattr(netlink, "QueueSocket", Bound)
         monkeypatch.setattr(rules, "choose_mechanism", choose)
-        monkeypatch.setattr(rules, "install", install)
-        monkeypatch.setattr(dp, "_start_reader", lambda sock: self.done.append("read"))
+        monkeypatch.setattr(rules, "table_objects", table_objects)
+        monkeypatch.setattr(rules, "write_tables", write_tables)
+        monkeypatch.setattr(rules, "queue_syns", queue_syns)
+        def start_reader(sock: Any) -> None:
+            self.done.append("read")
+            dp._reader = threading.Thread(target=lambda: None)  # stands for it: never joined
+
+        monkeypatch.setattr(dp, "_start_reader", start_reader)
 
 
 def nfq_sync() -> SyncResult:
@@ -373,17 +392,29 @@ def nfq_sync() -> SyncResult:
     return compute_sync(snap, SyncConfig(node_name="node-a"))
 
 
-def test_the_queue_is_read_only_once_the_first_tables_are_in_force(
+def lists(dp: NfqueueDataplane) -> list[str]:
+    return [f"list IPv{f}" for f in dp.families]
+
+
+def queues(dp: NfqueueDataplane) -> list[str]:
+    return [f"queue IPv{f}" for f in dp.families]
+
+
+def test_the_queue_is_read_once_the_first_tables_are_written_and_before_anything_else(
         monkeypatch: pytest.MonkeyPatch, dataplane: NfqueueDataplane) -> None:
     """A SYN queued by rules left from before (a SIGKILLed kpx's: their slots may name other
-    endpoints) waits in the kernel until this process's tables are written."""
+    endpoints) waits in the kernel until this process's tables are written: both families'
+    in one transaction, looked at before the bind. The queueing rules wait for the reader:
+    nothing they queue would be read sooner."""
     dp = dataplane
     steps = Steps(monkeypatch, dp)
     dp.apply(nfq_sync())
     dp.loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
-    installs = [f"install IPv{f}" for f in dp.families]
-    assert steps.done == ["probe", "bind", *installs, "read"]
+    assert steps.done == ["probe", *lists(dp), "bind", "write", "read", *queues(dp)]
     assert dp.generation_in_force == dp.generation
+    dp.apply(nfq_sync())  # the next write is a change: nothing is listed or queued again
+    dp.loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
+    assert steps.done == ["probe", *lists(dp), "bind", "write", "read", *queues(dp)]
 
 
 def test_a_successor_works_out_its_tables_then_binds_and_writes_only_when_told(
@@ -396,11 +427,65 @@ def test_a_successor_works_out_its_tables_then_binds_and_writes_only_when_told(
     try:
         dp.apply(nfq_sync())
         loop.run_until_complete(asyncio.wait_for(dp.prepared.wait(), 10))
-        assert steps.done == ["probe"], "nothing of the kernel's is touched before proceed"
+        assert steps.done == ["probe", *lists(dp)], "nothing of the kernel's is changed"
         assert dp.generation_in_force == -1
         dp.proceed()
         loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
-        assert steps.done == ["probe", "bind", *[f"install IPv{f}" for f in dp.families],
-                              "read"]
+        assert steps.done == ["probe", *lists(dp), "bind", "write", "read", *queues(dp)]
     finally:
+        loop.close()
+
+
+def run_until(loop: asyncio.AbstractEventLoop, done: Any, timeout: float = 10) -> None:
+    """Run ``loop`` until ``done()`` holds (a test failure after ``timeout``)."""
+    async def wait() -> None:
+        while not done():
+            await asyncio.sleep(0.005)
+    loop.run_until_complete(asyncio.wait_for(wait(), timeout))
+
+
+def test_a_queue_whose_first_tables_fail_is_read_and_every_syn_refused_until_they_go_in(
+        monkeypatch: pytest.MonkeyPatch, dataplane: NfqueueDataplane) -> None:
+    """Left unread, the SYNs that rules from before queue (a predecessor's, a SIGKILLed
+    kpx's) would each wait until the queue is full, then be dropped: every client would time
+    out. Read with no tables, each is refused (``_answer``: no plan is a reject). Not at the
+    first failure: one busy nft costs the waiting SYNs a second, not a refusal."""
+    dp = dataplane
+    steps = Steps(monkeypatch, dp)
+    steps.failing = True
+    dp.apply(nfq_sync())
+    run_until(dp.loop, lambda: "read" in steps.done)
+    assert steps.done == ["probe", *lists(dp), "bind", "write", *lists(dp), "write", "read"]
+    assert dp.generation_in_force == -1
+    assert dp._tables == Tables(), "nothing to decide by: every SYN is refused"
+    steps.failing = False
+    dp.loop.run_until_complete(asyncio.wait_for(dp.applied(), 10))
+    assert dp.generation_in_force == dp.generation
+    assert steps.done.count("read") == 1, "the reader already reading takes the new tables"
+
+
+def test_a_successor_whose_tables_cannot_be_worked_out_reads_the_queue_once_it_is_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """It never says READY, so its predecessor decides SYNs until its grace runs out and
+    then passes the queue anyway (``proceed``): from then on this one must answer them."""
+    loop = asyncio.new_event_loop()
+    dp = NfqueueDataplane(loop=loop, successor=True)
+    steps = Steps(monkeypatch, dp)
+
+    def too_many(*_: object) -> Tables:
+        raise ValueError("NodePort 30080/tcp: more than 32766 endpoints")
+
+    monkeypatch.setattr(dp, "_tabulate", too_many)
+    try:
+        dp.apply(nfq_sync())
+        loop.run_until_complete(asyncio.sleep(0.2))  # a dozen failed attempts
+        assert steps.done == ["probe"], "the predecessor still holds the queue"
+        assert not dp.prepared.is_set()
+        dp.proceed()
+        run_until(loop, lambda: "read" in steps.done)
+        assert steps.done == ["probe", "bind", "read"]
+    finally:
+        assert dp._task is not None
+        dp._task.cancel()
+        loop.run_until_complete(asyncio.gather(dp._task, return_exceptions=True))
         loop.close()
