@@ -39,7 +39,8 @@ async def serve(args: argparse.Namespace) -> int:
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
     sidecar = Sidecar.from_flags(hub.health, args)
     try:
-        source = make_source(args, hub, source_config(args))
+        api = source_config(args)
+        source = make_source(args, hub, None if api is None else api())
     except KubeConfigError as e:
         log.error("%s", e)
         return 2

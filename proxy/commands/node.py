@@ -17,7 +17,11 @@ that a module below uses too comes from ``proxy.defaults``.
 ``tests/unit/test_node_command.py`` holds it to that.
 
 Flags are checked before the claim: a successor with bad flags must never
-take the listeners.
+take the listeners. A ``--kubeconfig`` is read before it too; its contexts
+and credentials are worked out after, since that imports the Kubernetes
+client library (``KubeConfig.prepare``). A successor whose kubeconfig turns
+out wrong then exits before it says READY, and its predecessor, which
+accepts until then, goes on accepting.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import logging
 import os
 import resource
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from proxy.core.addresses import parse_nodeport_addresses
@@ -256,18 +261,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def source_config(args: argparse.Namespace) -> KubeConfig | None:
-    """Where the state comes from, checked: None for ``--state``, else how to reach the API.
+def source_config(args: argparse.Namespace) -> Callable[[], KubeConfig] | None:
+    """Where the state comes from, checked: None for ``--state``, else how to reach the API
+    (``KubeConfig.prepare``: call it for the ``KubeConfig``).
 
-    Raises ``KubeConfigError`` for flags that exclude each other or credentials
-    that cannot be read. ``kpx node`` calls it once, before the claim, and hands
-    the answer to ``wiring``, which builds the source from it.
+    Raises ``KubeConfigError`` for flags that exclude each other or a
+    kubeconfig that cannot be read; calling the answer raises it for one
+    whose contexts or credentials are wrong. ``kpx node`` checks before the
+    claim and calls after: walking a kubeconfig imports the Kubernetes client
+    library, which took a restart's successor about a second before it could
+    ask for the listeners.
     """
     if args.state is not None:
         if args.kubeconfig is not None or args.master is not None:
             raise KubeConfigError("--state excludes --kubeconfig and --master")
         return None
-    return KubeConfig.load(args.kubeconfig, args.master)
+    return KubeConfig.prepare(args.kubeconfig, args.master)
 
 
 def flag_problem(args: argparse.Namespace) -> str | None:
@@ -349,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     """
     raise_nofile_limit()
     try:  # every flag is checked before anything touches the namespace
-        config = source_config(args)
+        source = source_config(args)
     except KubeConfigError as e:
         log.error("%s", e)
         return 2
@@ -367,6 +376,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     args.ownership = ownership
     try:
+        try:  # a kubeconfig's contexts and credentials: the Kubernetes client library
+            config = None if source is None else source()
+        except KubeConfigError as e:
+            log.error("%s", e)
+            return 2
         # Only now the rest of kpx: the module docstring says why.
         from proxy.commands import wiring
 

@@ -135,10 +135,38 @@ class KubeConfig:
         return config
 
     @classmethod
+    def prepare(
+        cls,
+        kubeconfig: str | Path | None = None,
+        master: str | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        secret_dir: Path = SERVICE_ACCOUNT_DIR,
+    ) -> Callable[[], KubeConfig]:
+        """``load`` in two steps: what needs no client library now, the rest when called.
+
+        Now: the kubeconfig file read as a YAML mapping (or, without one,
+        ``--master`` alone or the in-cluster config, whole). When called: its
+        contexts, clusters and users walked (``from_kubeconfig``), which
+        imports kubernetes_asyncio, and so its API client: about a second of
+        CPU. ``kpx node`` checks its flags with the first step before it
+        claims the namespace, and takes the second after: a restart's
+        successor must ask for the listeners within ``--handover-wait``.
+        """
+        if kubeconfig:
+            path = Path(kubeconfig)
+            doc = read_kubeconfig(path)
+            return lambda: cls.from_kubeconfig(path, master=master, doc=doc)
+        config = cls.load(None, master, env=env, secret_dir=secret_dir)
+        return lambda: config
+
+    @classmethod
     def from_kubeconfig(
-        cls, path: str | Path, master: str | None = None, context: str | None = None
+        cls, path: str | Path, master: str | None = None, context: str | None = None,
+        doc: dict[str, Any] | None = None,
     ) -> KubeConfig:
-        """The current context (or ``context``) of a kubeconfig file.
+        """The current context (or ``context``) of a kubeconfig file (``doc``: as
+        ``read_kubeconfig`` read it already).
 
         The file is walked with kubernetes_asyncio's ``ConfigNode`` (contexts,
         clusters and users by name, each error naming the field it is about)
@@ -156,14 +184,8 @@ class KubeConfig:
 
         path = Path(path)
         where = f"kubeconfig {path}"
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise KubeConfigError(f"{where}: {e.strerror or e}") from e
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise KubeConfigError(f"{where}: not YAML: {e}") from e
-        if type(doc) is not dict:
-            raise KubeConfigError(f"{where}: expected a mapping")
+        if doc is None:
+            doc = read_kubeconfig(path)
         root = ConfigNode("kubeconfig", doc, str(path))
         name = context or doc.get("current-context")
         cluster: Any = ConfigNode("cluster", {})
@@ -499,6 +521,20 @@ class ExecPlugin:
             expires=expires,
             renew_at=renew_at,
         )
+
+
+def read_kubeconfig(path: Path) -> dict[str, Any]:
+    """A kubeconfig file as YAML: a mapping, or KubeConfigError naming the file."""
+    where = f"kubeconfig {path}"
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KubeConfigError(f"{where}: {e.strerror or e}") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise KubeConfigError(f"{where}: not YAML: {e}") from e
+    if type(doc) is not dict:
+        raise KubeConfigError(f"{where}: expected a mapping")
+    return doc
 
 
 def _rfc3339(text: str) -> float:

@@ -57,15 +57,37 @@ def heavy_among(modules: list[str]) -> list[str]:
     return [m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY)]
 
 
+def write_kubeconfig(path: Path, current: str = "kpx", user: dict[str, object] | None = None
+                     ) -> Path:
+    """A kubeconfig as kpx's DaemonSet mounts one (deploy/kpx.yaml): one context."""
+    doc = {"apiVersion": "v1", "kind": "Config", "current-context": current,
+           "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:6443"}}],
+           "users": [{"name": "u", "user": user or {"token": "t0ken"}}],
+           "contexts": [{"name": "kpx", "context": {"cluster": "c", "user": "u"}}]}
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    return path
+
+
+EXEC_USER = {"exec": {"apiVersion": "client.authentication.k8s.io/v1", "command": "true",
+                      "interactiveMode": "Never"}}
+
+
 @pytest.mark.parametrize("mode_args", [
     ("--state", "{state}", "--no-healthz"),
     ("--state", "{state}", "--proxy-mode", "nfqueue"),
     ("--state", "{state}", "--workers", "2"),
     ("--master", "https://127.0.0.1:6443"),
-], ids=["userspace", "nfqueue", "workers", "kubernetes-api"])
+    ("--kubeconfig", "{kubeconfig}"),
+    ("--kubeconfig", "{exec_kubeconfig}"),
+], ids=["userspace", "nfqueue", "workers", "kubernetes-api", "kubeconfig", "kubeconfig-exec"])
 def test_the_claim_comes_before_the_dataplane_healthz_and_the_http_client_are_imported(
         tmp_path: Path, mode_args: tuple[str, ...]) -> None:
-    argv = [a.format(state=tmp_path / "state.yaml") for a in mode_args]
+    """A kubeconfig too (kpx's DaemonSet runs with one, as kubeadm's kube-proxy does):
+    walking it needs the Kubernetes client library, which took about a second to import."""
+    names = {"state": tmp_path / "state.yaml",
+             "kubeconfig": write_kubeconfig(tmp_path / "token.conf"),
+             "exec_kubeconfig": write_kubeconfig(tmp_path / "exec.conf", user=EXEC_USER)}
+    argv = [a.format(**names) for a in mode_args]
     code, modules, stderr = claimed_with("node", "--hostname-override", "node1", *argv)
     assert code == 1 and "refused by the test" in stderr, stderr
     assert "proxy.commands.node" in modules  # the claim was reached through kpx node
@@ -78,6 +100,41 @@ def test_bad_flags_are_refused_before_the_claim(tmp_path: Path) -> None:
         "node", "--state", str(tmp_path / "state.yaml"), "--master", "https://127.0.0.1:6443")
     assert (code, modules) == (2, [])
     assert "--state excludes --kubeconfig and --master" in stderr
+
+
+CLAIM_GRANTED = """
+import json, sys
+from proxy import cli
+from proxy.lifecycle.ownership import Ownership
+
+class Claimed:
+    def close(self):
+        print("released", flush=True)
+
+def claim(*args, **kwargs):
+    print("claimed", flush=True)
+    return Claimed()
+
+Ownership.acquire = claim
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_kubeconfig_read_before_the_claim_is_walked_after_it(tmp_path: Path) -> None:
+    """One that is not YAML is refused before the claim; one whose current context does not
+    exist is refused after it (its contexts need the client library), still with status 2
+    and the reason, and the claim is given back."""
+    bad = tmp_path / "bad.conf"
+    bad.write_text("{ not yaml", encoding="utf-8")
+    code, modules, stderr = claimed_with("node", "--kubeconfig", str(bad))
+    assert (code, modules) == (2, [])
+    assert f"kubeconfig {bad}: not YAML" in stderr
+    wrong = write_kubeconfig(tmp_path / "wrong.conf", current="nowhere")
+    res = subprocess.run([sys.executable, "-c", CLAIM_GRANTED, "node", "--kubeconfig",
+                          str(wrong)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stdout.split() == ["claimed", "released"]
+    assert f"kubeconfig {wrong}" in res.stderr and "nowhere" in res.stderr
 
 
 def test_kpx_node_help_needs_none_of_them() -> None:
