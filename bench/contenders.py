@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import sys
 import time
@@ -174,6 +175,12 @@ class Contender:
             return f"{cls.name} forwards UDP only"
         if workload == "mem" and not cls.has_process:
             return "no proxy process: forwarding happens in the kernel"
+        return None
+
+    @classmethod
+    def serves_path(cls, path: str, family: int) -> str | None:
+        """None when this contender takes part on ``path`` over ``family``, else why not
+        (its cells there are n/a)."""
         return None
 
     def __init__(self, topo: Topology, log_dir: Path) -> None:
@@ -756,20 +763,114 @@ class KpxNfqueue(Kpx):
         self.wait_answering(proc)
 
 
-CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq")
+NFQ_QUEUED, NFQ_MASQUERADE, NFQ_MASK = 0x1000, 0x8000_0000, 0xFFFF_1000
+"""kpx-nfq's marks, as its README documents them ("Marks"): queued, SNAT, and every bit
+of its layout (queued, the endpoint's index, SNAT)."""
+NFQ_QUEUE = 7078
+"""``kpx node --queue-num``'s default: the queue kpx-nfq's rules send SYNs to."""
+FLOOR_SOURCE = Path(__file__).with_name("nfqfloor.c")
+
+
+class NfqFloor(KpxNfqueue):
+    """kpx-nfq's own rules, with every SYN answered by a minimal C reader (``nfqfloor.c``).
+
+    The floor of any NFQUEUE design on this machine: kpx-nfq starts as usual (its table,
+    DNAT maps and queueing rules go in) and, once it answers, is SIGKILLed, which leaves
+    them in place; then ``nfqfloor`` binds the queue and answers each SYN with the mark of
+    one of the port's endpoints (round robin; SNAT on the cross path, as kpx decides for an
+    endpoint on another node). So in the same run, kpx-nfq's gap to kernel DNAT splits
+    into the queue's (this one's gap) and kpx's Python's (kpx-nfq's gap to this one).
+    IPv4 NodePorts only (the local and cross paths); asked for by name, never by default.
+    """
+
+    name = "nfq-floor"
+    description = ("kpx-nfq's rules, every SYN answered by a minimal C reader: the NFQUEUE "
+                   "floor")
+    port_base = 30700
+
+    @classmethod
+    def serves(cls, workload: str) -> str | None:
+        if workload == "udp":
+            return "answers TCP SYNs only: the floor of kpx-nfq's connection setup"
+        return super().serves(workload)
+
+    def unavailable(self) -> str | None:
+        if shutil.which("cc") is None:
+            return f"not available: no C compiler (cc) to build {FLOOR_SOURCE.name}"
+        return super().unavailable()
+
+    def build(self) -> Path:
+        """``nfqfloor.c`` compiled into the log directory, once per contender."""
+        binary = self.log_dir / "nfqfloor"
+        if not binary.exists():
+            cp = sh(["cc", "-O2", "-o", str(binary), str(FLOOR_SOURCE)], check=False,
+                    timeout=60)
+            if cp.returncode != 0:
+                raise ContenderError(f"cc {FLOOR_SOURCE.name}: {cp.stderr.strip()[-300:]}")
+        return binary
+
+    def marks(self, path: str) -> dict[int, list[int]]:
+        """Each TCP port's FORWARD marks, from kpx-nfq's NodePort DNAT map in node1."""
+        listed = self.topo.run("node1", ["nft", "-j", "list", "map", "ip", "kpx_nfq",
+                                         "np_targets"], check=False)
+        snat = NFQ_MASQUERADE if path == "cross" else 0
+        out: dict[int, list[int]] = {}
+        try:
+            for item in json.loads(listed.stdout or "{}").get("nftables", []):
+                for elem in (item.get("map") or {}).get("elem", []):
+                    index, proto, port = elem[0]["concat"]
+                    if proto == "tcp":
+                        out.setdefault(port, []).append(index | NFQ_QUEUED | snat)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ContenderError(f"kpx-nfq's np_targets map: {e}: {listed.stdout[:200]}"
+                                 f"{listed.stderr[:200]}") from e
+        if not out:
+            raise ContenderError(f"kpx-nfq's np_targets map has no TCP element:"
+                                 f" {listed.stdout[:200]}{listed.stderr[:200]}")
+        return out
+
+    @classmethod
+    def serves_path(cls, path: str, family: int) -> str | None:
+        if family != 4 or path not in ("local", "cross"):
+            return "answers IPv4 NodePort SYNs only (the local and cross paths)"
+        return None
+
+    def start(self, path: str, state: str | None = None) -> None:
+        binary = self.build()
+        super().start(path, state)  # kpx-nfq, until it answers: its rules are in
+        kpx, marks = self.proc, self.marks(path)
+        assert kpx is not None
+        kpx.kill()
+        argv = [str(binary), str(NFQ_QUEUE), hex(NFQ_MASK),
+                *(f"{port}={','.join(map(hex, m))}" for port, m in sorted(marks.items()))]
+        self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", argv),
+                         self.log_dir).start()
+        self.wait_answering(self.proc)
+
+    def stop(self) -> None:
+        super().stop()
+        self.topo.reset_node1()  # kpx-nfq's rules, which its SIGKILL left for the floor
+
+
+CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq",
+                   "nfq-floor")
 """Every contender, in run and report order."""
 UDP_ONLY = ("socat",)
 """Contenders that take part only in the udp workload: in the default list only
 when udp runs, so the default TCP run is the same as before they existed."""
+BY_NAME_ONLY = ("nfq-floor",)
+"""Diagnostic contenders, run only when ``--contenders`` names them."""
 CLASSES: dict[str, type[Contender]] = {
     "direct": Direct, "kernel": Kernel, "haproxy": HAProxy, "naive": Naive, "socat": Socat,
-    "kpx": Kpx, "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue,
+    "kpx": Kpx, "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue, "nfq-floor": NfqFloor,
 }
 
 
 def default_contenders(workloads: list[str]) -> list[str]:
-    """Every contender, but the UDP-only ones only when the udp workload runs."""
-    return [c for c in CONTENDER_ORDER if c not in UDP_ONLY or "udp" in workloads]
+    """Every contender, but the UDP-only ones only when the udp workload runs, and the
+    diagnostic ones never."""
+    return [c for c in CONTENDER_ORDER
+            if c not in BY_NAME_ONLY and (c not in UDP_ONLY or "udp" in workloads)]
 
 
 def serves(name: str, workload: str) -> str | None:
@@ -796,5 +897,6 @@ def make_contenders(names: list[str], topo: Topology, log_dir: Path,
         "kpx": Kpx(topo, log_dir, kpx, etp, udp_service=udp),
         "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp, udp_service=udp),
         "kpx-nfq": KpxNfqueue(topo, log_dir, kpx, etp, udp_service=udp),
+        "nfq-floor": NfqFloor(topo, log_dir, kpx, etp, udp_service=udp),
     }
     return [table[n] for n in names]

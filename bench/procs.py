@@ -121,6 +121,15 @@ class Proc:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
 
+    def kill(self, timeout: float = 5.0) -> None:
+        """SIGKILL our own process group, and reap the leader: nothing runs a cleanup."""
+        if self.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout)
+
     def tree(self) -> list[int]:
         return process_tree(self.pid) if self.alive() else []
 

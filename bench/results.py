@@ -338,18 +338,31 @@ RATIO_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
+FLOOR_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("nfq-floor", "kernel", ("conn_per_s",)),
+    ("kpx-nfq", "nfq-floor", ("conn_per_s", "cps_cpu_us")),
+)
+"""The NFQUEUE floor against kernel DNAT (what the queue costs) and kpx-nfq against the
+floor (what kpx's Python costs): printed only where both sides ran, since nfq-floor runs
+only when asked for by name."""
+
+
 def all_ratios(table: CellTable) -> list[Ratio]:
-    """Every ratio the report prints, for every path where either side was measured."""
+    """Every ratio the report prints, for every path where either side was measured (both,
+    for ``FLOOR_PAIRS``)."""
     out = []
     for path in table.paths():
         if path is None:
             continue
-        for num, den, metrics in RATIO_PAIRS:
-            for m in metrics:
-                wl = METRICS[m].workload
-                if table.get(path, wl, num) is None and table.get(path, wl, den) is None:
-                    continue
-                out.append(ratio(table, path, m, num, den))
+        for pairs, both in ((RATIO_PAIRS, False), (FLOOR_PAIRS, True)):
+            for num, den, metrics in pairs:
+                for m in metrics:
+                    wl = METRICS[m].workload
+                    sides = (table.get(path, wl, num) is not None,
+                             table.get(path, wl, den) is not None)
+                    if not (all(sides) if both else any(sides)):
+                        continue
+                    out.append(ratio(table, path, m, num, den))
     return out
 
 

@@ -451,7 +451,7 @@ class Bench:
                 cell_path = family_path(path, fam)
                 mine[c.name, fam] = []
                 for w in self.workloads_of(path, fam):
-                    why_not = c.serves(w)
+                    why_not = c.serves(w) or c.serves_path(path, fam)
                     if not avail["available"]:
                         self.table.mark(cell_path, w, c.name, "unavailable", avail["reason"])
                     elif why_not:

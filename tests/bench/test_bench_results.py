@@ -110,6 +110,19 @@ def test_all_ratios_cover_pairs_on_each_path() -> None:
     assert not any(m == "gbps" for _, m in by)
 
 
+def test_the_floor_ratios_appear_only_where_the_floor_ran() -> None:
+    """nfq-floor runs only when asked for: a default run's report gains no row of it."""
+    t = CellTable()
+    t.cell("local", "cps", "kernel").add(ok(conn_per_s=10.0))
+    t.cell("local", "cps", "kpx-nfq").add(ok(conn_per_s=8.0, cps_cpu_us=60.0))
+    assert not any("nfq-floor" in r.name for r in all_ratios(t))
+    t.cell("local", "cps", "nfq-floor").add(ok(conn_per_s=9.5, cps_cpu_us=40.0))
+    by = {(r.name, r.metric): r.value for r in all_ratios(t)}
+    assert by[("nfq-floor/kernel", "conn_per_s")] == pytest.approx(0.95)
+    assert by[("kpx-nfq/nfq-floor", "conn_per_s")] == pytest.approx(8.0 / 9.5)
+    assert by[("kpx-nfq/nfq-floor", "cps_cpu_us")] == pytest.approx(1.5)
+
+
 def test_targets_met_missed_and_not_measured() -> None:
     t = table_with(
         kpx_rr=[ok(req_per_s=10.0, p50_ms=1.0, p99_ms=3.0)],

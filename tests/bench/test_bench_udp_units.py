@@ -24,6 +24,7 @@ from bench.contenders import (
     HAProxy,
     Kernel,
     Naive,
+    NfqFloor,
     Socat,
     bench_state,
     default_contenders,
@@ -243,6 +244,20 @@ def test_udp_is_opt_in_and_brings_socat() -> None:
     assert Settings(durations={"rr": 4.0, "udp": 2.0}).duration("udp") == 2.0
     s = Settings()
     assert (s.udp_flows, s.udp_size) == (50, 64)
+
+
+def test_the_nfqueue_floor_runs_only_when_named_and_only_where_it_can() -> None:
+    """A diagnostic (issue 15): never in a default run, where a C program would be built;
+    IPv4 NodePorts only, and TCP only."""
+    assert "nfq-floor" not in cli.build_config(parse()).contenders
+    assert "nfq-floor" not in cli.build_config(parse("--workloads", "udp")).contenders
+    cfg = cli.build_config(parse("--contenders", "kernel,kpx-nfq,nfq-floor"))
+    assert cfg.contenders == ["kernel", "kpx-nfq", "nfq-floor"]
+    assert NfqFloor.serves_path("local", 4) is None and NfqFloor.serves_path("cross", 4) is None
+    assert "IPv4 NodePort" in (NfqFloor.serves_path("clusterip", 4) or "")
+    assert "IPv4 NodePort" in (NfqFloor.serves_path("local", 6) or "")
+    assert serves("nfq-floor", "cps") is None and serves("nfq-floor", "connect") is None
+    assert serves("nfq-floor", "udp") and serves("nfq-floor", "mem")
 
 
 def test_report_rows_and_ratios_for_udp() -> None:
