@@ -873,9 +873,11 @@ def default_contenders(workloads: list[str]) -> list[str]:
             if c not in BY_NAME_ONLY and (c not in UDP_ONLY or "udp" in workloads)]
 
 
-def serves(name: str, workload: str) -> str | None:
-    """None when contender ``name`` takes part in ``workload``; else the n/a reason."""
-    return CLASSES[name].serves(workload)
+def serves(name: str, workload: str, path: str | None = None, family: int = 4) -> str | None:
+    """None when contender ``name`` takes part in ``workload`` (on ``path`` over ``family``,
+    when given); else the n/a reason."""
+    cls = CLASSES[name]
+    return cls.serves(workload) or (None if path is None else cls.serves_path(path, family))
 
 
 def control_contenders(names: list[str]) -> list[str]:

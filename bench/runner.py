@@ -315,7 +315,7 @@ class Bench:
         for path in self.cfg.paths:
             for fam in self.families_of(path):
                 for w in self.workloads_of(path, fam):
-                    n += self.cfg.runs * sum(1 for c in names if serves(c, w) is None)
+                    n += self.cfg.runs * sum(1 for c in names if serves(c, w, path, fam) is None)
         if "control" in self.cfg.workloads:
             cs = self.cfg.control
             n += self.cfg.runs * len(control_contenders(names)) * (
@@ -335,7 +335,7 @@ class Bench:
         for path in self.cfg.paths:
             for fam in self.families_of(path):
                 for w in self.workloads_of(path, fam):
-                    k = sum(1 for c in self.cfg.contenders if serves(c, w) is None)
+                    k = sum(1 for c in self.cfg.contenders if serves(c, w, path, fam) is None)
                     total += self.cfg.runs * k * per_run[w]
                 total += self.cfg.runs * len(self.cfg.contenders) * 1.0  # start/stop
         if "control" in self.cfg.workloads:
