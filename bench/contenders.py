@@ -26,6 +26,10 @@ IPv6 address: the kernel loads an ``ip6`` table of the same rules, HAProxy
 and naive bind the IPv6 address, and kpx gets a dual-stack state
 (``bench_state(..., family=6)``). Only the NodePort paths (local, cross)
 run over IPv6.
+
+One contender is a diagnostic, run only when named: ``nfq-floor``, kpx-nfq's rules
+answered by a minimal C reader (``NfqFloor``), the floor kpx-nfq is measured against.
+Its cells off the IPv4 NodePort paths are n/a (``serves_path``).
 """
 
 from __future__ import annotations
