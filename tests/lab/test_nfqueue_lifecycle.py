@@ -149,7 +149,10 @@ def test_a_restart_into_userspace_mode_removes_the_queueing_rules(
     old, new = lab.restart_proxy(NODE)
     wait_until(lambda: not netns.pid_alive(old), 15, what="the nfqueue-mode kpx node to exit")
     wait_until(lambda: kpx_rules(lab) == (0, 0, 0, 0), 10, what="the queueing rules removed")
-    assert "removed the rules an nfqueue-mode kpx left here" in lab.proxy_log(NODE)
+    # By the relay, not by the old process (which leaves them to a successor present).
+    # The line comes once the removal returns, a moment after the rules are gone.
+    wait_until(lambda: "removed the rules an nfqueue-mode kpx left here" in lab.proxy_log(NODE),
+               5, what="the relay's log of the removal")
     reply, _ = who(lab, "client", ip, port, timeout=5.0)
     assert reply["pod"] == "web-1"
     assert lab.listener_pids(NODE, port) == {new}, "the relay serves the NodePort"
@@ -192,8 +195,9 @@ def test_a_restart_into_nfqueue_mode_removes_the_relays_return_path_once_the_rel
         held.close()
     wait_until(lambda: not netns.pid_alive(old), 15, what="the relay to finish draining")
     wait_until(lambda: return_path(lab) == (False, 0, 0), 10, what="the return path removed")
-    assert "removed the IPv4 client-IP return path a userspace-mode kpx left" in \
-        lab.proxy_log(NODE)
+    # By the nfqueue-mode process; its line comes once the removal returns.
+    wait_until(lambda: "removed the IPv4 client-IP return path a userspace-mode kpx left"
+               in lab.proxy_log(NODE), 5, what="the nfqueue-mode kpx node's log of the removal")
     reply, local = who(lab, "client", ip, port, timeout=5.0)
     assert (reply["pod"], peer_ip(reply)) == ("web-1", local[0])
     assert kpx_rules(lab) == ONE_COPY
