@@ -590,11 +590,17 @@ class NfqueueDataplane:
             except OSError as exc:
                 log.error("nfqueue %d: cannot bind the queue: %s", self.cfg.queue, exc)
                 return
-        if self._sock is None or self._reader is not None:
-            return
-        log.error("nfqueue %d: no rules of this process are in force; every SYN queued is"
-                  " refused until a sync's are", self.cfg.queue)
+        if self._start_reading():
+            log.error("nfqueue %d: no rules of this process are in force; every SYN queued"
+                      " is refused until a sync's are", self.cfg.queue)
+
+    def _start_reading(self) -> bool:
+        """Start the reader, unless it runs, the queue is not bound or this one is stopping;
+        True if it started."""
+        if self._reader is not None or self._sock is None or not self._accepting:
+            return False
         self._start_reader(self._sock)
+        return True
 
     def _table_objects(self) -> dict[int, frozenset[tuple[str, str]] | None]:
         return {f: rules.table_objects(self.cfg.table, f) for f in self.families}
@@ -620,8 +626,7 @@ class NfqueueDataplane:
         for family in self.families:
             self._written[family], self._whole_at[family] = served[family], now
         self._tables = pending  # in the kernel now: what the verdicts may name
-        if self._reader is None and self._sock is not None and self._accepting:
-            self._start_reader(self._sock)
+        self._start_reading()
         for family in self.families:
             await self._off_loop(rules.queue_syns, self.cfg, self._mechanism, family)
             self._installed.add(family)
