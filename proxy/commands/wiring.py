@@ -72,6 +72,7 @@ from proxy.userspace.transparent import (
     ReturnPathGuard,
     RoutingConfig,
     TransparentRouting,
+    close_time_wait_legs,
 )
 from proxy.userspace.vips import LocalVIPs, VIPGuard
 from proxy.util import spawn
@@ -322,9 +323,18 @@ async def remove_relay_leftovers(dataplane: NfqueueDataplane) -> None:
     once the first tables are in force, this waits for the draining relay to
     exit (a look at the presence names each ``LEFTOVER_POLL``, as long as it
     takes), then removes each family's part it finds.
+
+    The relay's closed connections are not harmless: their TIME_WAIT sockets
+    drop the replies of clients' new connections (``close_relay_time_wait``).
+    So they are closed at once, again at each look while the relay drains
+    (its connections close meanwhile), and once more after it has gone.
     """
     await dataplane.synced.wait()
-    while live_pids() - {os.getpid()}:
+    while True:
+        others = live_pids() - {os.getpid()}
+        await close_relay_time_wait(dataplane)
+        if not others:
+            break
         await asyncio.sleep(LEFTOVER_POLL)
     for family in dataplane.families:
         try:
@@ -337,6 +347,24 @@ async def remove_relay_leftovers(dataplane: NfqueueDataplane) -> None:
             log.info("removed the IPv%d client-IP return path a userspace-mode kpx left here"
                      " (nft table inet %s, its fwmark rule and route): nfqueue mode keeps the"
                      " client IP by DNAT", family, NFT_TABLE)
+
+
+async def close_relay_time_wait(dataplane: NfqueueDataplane) -> None:
+    """Close the TIME_WAIT sockets a relay's client-IP connections left toward the endpoints
+    in force (``close_time_wait_legs``: each would take the SYN-ACK of a client's next
+    connection that happens to reuse its port)."""
+    for family in dataplane.families:
+        endpoints = dataplane.tcp_endpoints(family)
+        try:
+            closed = await asyncio.to_thread(close_time_wait_legs, family, endpoints)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.error("could not close the IPv%d TIME_WAIT sockets a userspace-mode kpx left:"
+                      " %s; a client reusing one's port times out until it expires", family, exc)
+            continue
+        if closed:
+            log.info("closed %d IPv%d TIME_WAIT socket(s) that a userspace-mode kpx's"
+                     " client-IP connections left toward endpoints: each would drop the"
+                     " SYN-ACK of a client's connection reusing its port", closed, family)
 
 
 async def take_over(ownership: Ownership, loop: asyncio.AbstractEventLoop,
@@ -442,6 +470,12 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     unhook NAT from every established connection, which conntrack carries
     all along). Without a successor, SYNs are dropped (fail-closed) until
     one binds, or with ``--queue-bypass`` pass undecided.
+
+    A relay's successor (the mode changed) has no queue passed to it: it
+    binds one and puts its rules in force before it says READY, since the
+    relay then closes its listeners. Then it closes the TIME_WAIT sockets
+    the relay's connections left, and the relay's return path once it has
+    gone (``remove_relay_leftovers``).
     """
     conntrack.apply(conntrack.Settings.from_flags(args))
     claim = ownership.claim if ownership is not None else None
@@ -449,10 +483,13 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     queue = inherited.pop((QUEUE_KEY, args.queue_num), None)
     for sock in inherited.values():
         sock.close()  # a relay's listening sockets (the mode changed): none is used here
+    # A predecessor that passed no queue holds none (a relay: the mode changed), so this
+    # one binds and puts its rules in force at once, while the old one still accepts.
+    queue_passed = claim is not None and queue is not None
     dataplane = NfqueueDataplane(loop=loop, queue=args.queue_num, bypass=args.queue_bypass,
                                  batch_wait=args.queue_batch_wait,
                                  cluster_cidrs=args.cluster_cidr, health=hub.health,
-                                 successor=claim is not None, inherited=queue)
+                                 successor=queue_passed, inherited=queue)
     sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
     # One instance serves both families (one queue, one socket): it is the IPv6
     # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
@@ -471,8 +508,13 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
 
     takeover: asyncio.Task[None] | None = None
     if ownership is not None and claim is not None:
-        takeover = asyncio.create_task(
-            take_over(ownership, loop, dataplane.prepared.wait(), start), name="take-over")
+        # READY tells the old one to stop. An nfqueue-mode one goes on deciding SYNs until
+        # it passes the queue, so its successor needs only its tables worked out. A relay
+        # closes its listeners: until this one's rules are in force, a SYN would meet no
+        # listener and be refused.
+        ready = dataplane.prepared.wait() if queue_passed else dataplane.synced.wait()
+        takeover = asyncio.create_task(take_over(ownership, loop, ready, start),
+                                       name="take-over")
     else:
         if ownership is not None:
             ownership.attach(loop)

@@ -441,6 +441,12 @@ class NfqueueDataplane:
     def listeners(self) -> list[tuple[str, int, str]]:
         return []
 
+    def tcp_endpoints(self, family: int) -> frozenset[tuple[str, int]]:
+        """Every TCP endpoint ``(address, port)`` of ``family`` the tables in force may
+        forward to."""
+        return frozenset(ep.addr for plan in self._tables.of(family).plans.values()
+                         for eps in (plan.cluster, plan.local) for ep in eps)
+
     def active_connections(self) -> int:
         return 0  # connections live in conntrack, not here
 

@@ -1,8 +1,9 @@
 """Client-IP preservation: IP_TRANSPARENT upstream sockets and their return path.
 
 Owns: the routing that lets an upstream socket bound to the *client's*
-address receive the backend's replies, in the namespace kpx runs in, and the
-socket options of such a socket.
+address receive the backend's replies, in the namespace kpx runs in, the socket
+options of such a socket, and the closing of the TIME_WAIT sockets such
+sockets leave once kpx no longer relays (``close_time_wait_legs``).
 
 - nft table ``inet kpx_tproxy``: in prerouting at mangle priority, packets
   that belong to a transparent socket get the ``<mark>`` bit OR-ed in;
@@ -49,8 +50,9 @@ import logging
 import os
 import shutil
 import socket
+import struct
 import subprocess
-from collections.abc import Generator
+from collections.abc import Collection, Generator
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar, cast
 
@@ -504,3 +506,72 @@ def upstream_socket(client_ip: str | None, family: int = 4) -> socket.socket:
         s.close()
         raise
     return s
+
+
+def close_time_wait_legs(family: int, endpoints: Collection[tuple[str, int]]) -> int:
+    """Close the TIME_WAIT sockets that the relay's client-IP connections left toward
+    ``endpoints`` (``(address, port)`` of ``family``); returns how many were asked to close.
+
+    Why: a relay connection to an endpoint is bound to the client's own
+    address, so once it closes, its TIME_WAIT socket holds that client's
+    address and port toward the endpoint for 60 s. A kpx restarted into
+    nfqueue mode DNATs the same clients' new connections to the same
+    endpoints, and their source ports come from the same ephemeral range:
+    any that meets such a socket has its SYN-ACK taken by it (TCP's early
+    demux finds the socket, and the kernel never forwards a packet that has
+    one), so the client times out. Right after a busy relay, that was most
+    of them, for a minute.
+
+    Which: TCP sockets in TIME_WAIT whose peer is one of ``endpoints`` and
+    whose own address is not one of this namespace's (only a transparent
+    socket can have one). Nothing else is touched: a TIME_WAIT socket holds
+    no data, and its connection is over. Blocking (sock_diag through
+    pyroute2): run it off the event loop.
+    """
+    if not endpoints:
+        return 0
+    # Imported here: only nfqueue mode closes a relay's leftovers.
+    from pyroute2.netlink import NLM_F_REQUEST
+    from pyroute2.netlink.diag import SOCK_DESTROY, SS_TIME_WAIT, DiagSocket, inet_diag_req
+
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
+    wanted = set(endpoints)
+    local: dict[str, bool] = {}
+    closed = 0
+    with DiagSocket() as ds:
+        ds.bind()
+        for m in ds.get_sock_stats(family=af, states=1 << SS_TIME_WAIT):
+            own = m["idiag_src"]
+            if (m["idiag_dst"], m["idiag_dport"]) not in wanted:
+                continue
+            if own not in local:
+                local[own] = _is_local(own, af)
+            if local[own]:
+                continue
+            req = inet_diag_req()
+            req["sdiag_family"], req["sdiag_protocol"] = af, socket.IPPROTO_TCP
+            req["idiag_states"] = 1 << SS_TIME_WAIT
+            req["idiag_sport"], req["idiag_dport"] = m["idiag_sport"], m["idiag_dport"]
+            req["idiag_src"], req["idiag_dst"] = _diag_address(own, af), _diag_address(
+                m["idiag_dst"], af)
+            req["idiag_if"], req["idiag_cookie"] = m["idiag_if"], m["idiag_cookie"]
+            # No ack asked: one that expired meanwhile is the kernel's ENOENT, unread.
+            ds.put(req, SOCK_DESTROY, NLM_F_REQUEST)
+            closed += 1
+    return closed
+
+
+def _is_local(address: str, af: int) -> bool:
+    """Whether ``address`` is this namespace's: a plain socket may bind it."""
+    with socket.socket(af, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _diag_address(address: str, af: int) -> tuple[int, int, int, int]:
+    """``address`` as sock_diag's four big-endian words (IPv4: the first)."""
+    raw = socket.inet_pton(af, address).ljust(16, b"\0")
+    return cast(tuple[int, int, int, int], struct.unpack(">4I", raw))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 
 import pytest
 
@@ -15,6 +16,7 @@ from proxy.userspace.transparent import (
     IP_TRANSPARENT,
     RoutingConfig,
     TransparentRouting,
+    close_time_wait_legs,
     nft_ruleset,
     upstream_socket,
 )
@@ -64,3 +66,26 @@ def test_transparent_upstream_socket_binds_the_client_address_without_a_port() -
         assert s.getsockname() == ("198.51.100.7", 0)
     finally:
         s.close()
+
+
+def time_wait_toward(port: int) -> int:
+    listing = subprocess.run(["ss", "-Htan", "state", "time-wait", "dst", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, check=True).stdout
+    return len(listing.splitlines())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sock_diag's destroy needs CAP_NET_ADMIN")
+def test_only_time_wait_sockets_with_a_foreign_own_address_are_closed() -> None:
+    """A relay's connection is bound to the client's address; a TIME_WAIT socket whose own
+    address is the node's is some local program's, and stays (its endpoint is ours)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        client.close()  # the active close: the client's socket goes to TIME_WAIT
+        assert conn.recv(1) == b""
+        conn.close()
+        assert time_wait_toward(port) == 1
+        assert close_time_wait_legs(4, {("127.0.0.1", port)}) == 0
+        assert time_wait_toward(port) == 1
+        assert close_time_wait_legs(4, set()) == 0

@@ -203,6 +203,62 @@ def test_a_restart_into_nfqueue_mode_removes_the_relays_return_path_once_the_rel
     assert kpx_rules(lab) == ONE_COPY
 
 
+def time_wait_legs(lab: Lab) -> int:
+    """NODE's TIME_WAIT sockets with the client's address as their own: the relay's."""
+    listing = lab.run(NODE, ["ss", "-Htan", "state", "time-wait", "src",
+                             lab.client_ip]).stdout
+    return len(listing.splitlines())
+
+
+def port_range(lab: Lab, where: str, low: int, high: int) -> None:
+    lab.run(where, ["sysctl", "-qw", f"net.ipv4.ip_local_port_range={low} {high}"])
+
+
+def test_a_restart_from_a_busy_relay_into_nfqueue_mode_loses_no_connect(
+        lab_factory: LabFactory) -> None:
+    """Two ways a switch from the relay lost connects.
+
+    At the switch, some were refused: the new process said READY before its
+    rules were in force, and the relay closed its listeners then. After it,
+    for a minute, most timed out: each relay connection that had closed left
+    a TIME_WAIT socket on the node with the client's address and port, and a
+    DNATed connection reusing that port had its SYN-ACK taken by it (early
+    demux; the kernel never forwards a packet that found a socket). Small
+    port ranges make every port the client uses afterwards one such."""
+    lab = lab_factory(lab_spec({"web-1": NODE}, service("web", "Cluster")))
+    wait_applied(lab)
+    ip, port = lab.node_ip(NODE), lab.node_port("default/web")
+    port_range(lab, NODE, 50000, 50063)  # the relay's connections to the pod
+    port_range(lab, "client", 40000, 40999)
+    with PacedConnects(lab, "client", ip, port, every=0.01, max_count=56) as relayed:
+        wait_until(lambda: len(relayed.done) >= 56, 20, what="56 connects through the relay")
+    assert [c.outcome for c in relayed.done] == ["ok"] * 56
+    wait_until(lambda: time_wait_legs(lab) >= 50, 10, what="the relay's TIME_WAIT sockets")
+    port_range(lab, NODE, 50000, 50999)  # room for the relay's connections until the switch
+
+    lab.extra_proxy_args = tuple(NFQ)
+    with PacedConnects(lab, "client", ip, port, every=0.005, max_count=800) as load:
+        wait_until(lambda: len(load.since(0)) >= 20, 10, what="connects before the restart")
+        old, _ = lab.restart_proxy(NODE)
+        wait_until(lambda: not netns.pid_alive(old), 15, what="the relay to exit")
+        gone = time.monotonic()
+        wait_until(lambda: len(load.since(gone)) >= 20, 10, what="connects after it exited")
+    failed = [c for c in load.done if c.outcome != "ok"]
+    assert not failed, f"{len(failed)} of {len(load.done)} connects failed: {failed[:3]}"
+    # Once the relay has gone, the last of what it left goes (the return path last).
+    wait_until(lambda: "removed the IPv4 client-IP return path" in lab.proxy_log(NODE), 10,
+               what="the relay's leftovers removed")
+
+    port_range(lab, "client", 50000, 50063)  # every port a relay connection left in TIME_WAIT
+    with PacedConnects(lab, "client", ip, port, every=0.02, max_count=40) as after:
+        wait_until(lambda: len(after.done) >= 40, 30, what="40 connects after the switch")
+    failed = [c for c in after.done if c.outcome != "ok"]
+    assert not failed, f"{len(failed)} of 40 connects failed: {failed[:3]}"
+    reply, local = who(lab, "client", ip, port, timeout=3.0)
+    assert (reply["pod"], peer_ip(reply)) == ("web-1", local[0]), "the client IP is kept"
+    assert time_wait_legs(lab) == 0
+
+
 def test_a_sync_writes_only_what_changed_and_repairs_a_table_someone_touched(
         lab_factory: LabFactory) -> None:
     """Each sync is an element-by-element change of kpx's table; when the table is not what
