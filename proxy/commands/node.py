@@ -370,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
         # One process takes the old one's listening sockets over; --workers
         # cannot share them, so they wait for the owner name (and bind anew).
         ownership = Ownership.acquire(listeners=args.workers <= 1, standby=args.takeover_wait,
-                                      queue=args.proxy_mode == "nfqueue")
+                                      queue=args.proxy_mode == "nfqueue",
+                                      mode=args.proxy_mode)
     except OwnershipError as e:
         log.error("%s", e)
         return 1

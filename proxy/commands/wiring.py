@@ -48,7 +48,7 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 import uvloop
@@ -191,11 +191,16 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
 
     watcher = await start_source(source, args.sync_period)
     leftovers: asyncio.Task[None] | None = None
+    unqueued = asyncio.Event()
+    """Set once no nfqueue rule queues SYNs here: what READY waits for, besides the sync."""
     if worker_index == 0:
         # The listeners are up: now SYNs that nfqueue rules left behind would
         # queue to nobody can reach them.
         leftovers = asyncio.create_task(remove_nfqueue_leftovers(
-            rules.FAMILIES if local_vips6 is not None else (4,)), name="nfqueue-leftovers")
+            rules.FAMILIES if local_vips6 is not None else (4,), unqueued),
+            name="nfqueue-leftovers")
+    else:
+        unqueued.set()
 
     # The namespace's owner (worker 0 for --workers) keeps the return path
     # whole, as kube-proxy re-syncs its rules every sync period.
@@ -225,9 +230,15 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
             sidecar_started = True
             await sidecar.start()
 
+    async def serving() -> None:
+        """Listening, and no SYN queued elsewhere: an nfqueue-mode predecessor decides SYNs
+        until READY, and its rules would queue them to nobody after it."""
+        await synced(planes)
+        await unqueued.wait()
+
     takeover: asyncio.Task[None] | None = None
     if ownership is not None and claim is not None:
-        takeover = asyncio.create_task(take_over(ownership, loop, synced(planes), start_sidecar),
+        takeover = asyncio.create_task(take_over(ownership, loop, serving(), start_sidecar),
                                        name="take-over")
     else:
         await start_sidecar()
@@ -242,7 +253,9 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     for vip_guard in vip_guards:
         vip_guard.cancel()
     if leftovers is not None:
-        await asyncio.gather(leftovers, return_exceptions=True)  # a few nft calls at most
+        # A NAT keeper still waited out stays: the next kpx takes it over.
+        leftovers.cancel()
+        await asyncio.gather(leftovers, return_exceptions=True)
     source.stop()
 
     successor, offer = await offer_handover(
@@ -275,36 +288,96 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     return 0
 
 
-async def remove_nfqueue_leftovers(families: tuple[int, ...]) -> None:
+async def remove_nfqueue_leftovers(families: tuple[int, ...],
+                                   unqueued: asyncio.Event | None = None) -> None:
     """Remove the rules an nfqueue-mode kpx left (userspace mode), as kube-proxy cleans up
-    its other modes' rules at start.
+    its other modes' rules at start; keep NAT on until the connections they DNATed close.
 
     They would queue every SYN to a served port to a queue that nobody reads
     here: the kernel drops them (or with ``--queue-bypass`` lets them meet
     the node undecided). A SIGKILL leaves them, and so does a restart into
-    this mode (the old process sees a successor present). Established
-    connections that they DNATed lose their translation with them.
+    this mode (the old process sees a successor present). The connections
+    they DNATed are conntrack's, and go on only while a nat chain is there:
+    so each table becomes a NAT keeper (``rules.keep_nat``), removed once
+    none of them is open (``wait_out_nat_keepers``).
 
     The look is ``nft list tables`` and ``iptables-save`` from the loop
     (``spawn``: no thread, and the relay stays a single-threaded process).
     Removing is a few ``iptables``/``nft`` calls that block the loop, once,
-    and only when there is something to remove.
+    and only when there is something to remove. ``unqueued`` is set after
+    it (or after it failed: nothing better will come): a restart's successor
+    says READY then, while its nfqueue-mode predecessor still decides the
+    SYNs queued until the rules went.
     """
+    try:
+        keepers = await _remove_queueing(families)
+    finally:
+        if unqueued is not None:
+            unqueued.set()
+    if keepers:
+        await wait_out_nat_keepers(families)
+
+
+async def _remove_queueing(families: tuple[int, ...]) -> bool:
+    """The rules gone (``remove_nfqueue_leftovers``); True if a NAT keeper is there now."""
     try:
         tables = (await spawn.run(["nft", "list", "tables"])).stdout
         saves = []
         for family in families:
             with contextlib.suppress(FileNotFoundError):  # no ip6tables: nothing of it
                 saves.append((await spawn.run(rules.save_argv(family))).stdout)
-        if not rules.left_behind(tables, saves):
-            return
-        removed = rules.remove(rules.QueueConfig(), families)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        if rules.left_behind(tables, saves):
+            removed = rules.keep_nat(rules.QueueConfig(), families)
+            log.info("removed the rules an nfqueue-mode kpx left here (%d iptables/ip6tables"
+                     " rule(s); its kpx_nfq tables are now %s, which keeps the connections"
+                     " they DNATed translated until they close): they queued SYNs that no"
+                     " process reads", removed, rules.KEEP_TABLE)
+            return True
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
         log.error("could not remove the rules an nfqueue-mode kpx left: %s; SYNs to the "
                   "ports they name may be dropped", exc)
-        return
-    log.info("removed the rules an nfqueue-mode kpx left here (%d iptables/ip6tables rule(s) "
-             "and the kpx_nfq tables): they queued SYNs that no process reads", removed)
+        return False
+    return f" {rules.KEEP_TABLE}" in tables  # an earlier relay's, not yet waited out
+
+
+NAT_KEEP_POLL = 5.0
+"""Seconds between looks at conntrack for the connections a NAT keeper is for."""
+
+
+async def wait_out_nat_keepers(families: tuple[int, ...]) -> None:
+    """Remove each family's NAT keeper once no connection it keeps NAT on for is open.
+
+    A look each ``NAT_KEEP_POLL``: the keeper's frontends (``nft``, from the
+    loop) and conntrack's DNATed entries toward them (ctnetlink, in a thread:
+    ``conntrack.dnat_toward``). A long-lived connection keeps it as long as
+    it lasts, which costs an empty nat chain. An nfqueue-mode kpx that starts
+    meanwhile removes it in its first write (its own nat chains take over).
+    """
+    while True:
+        waiting = 0
+        for family in families:
+            fam = "ip6" if family == 6 else "ip"
+            listed = await spawn.run(["nft", "-j", "list", "table", fam, rules.KEEP_TABLE])
+            fronts = rules.frontends(listed.stdout) if listed.returncode == 0 else None
+            if fronts is None:
+                continue
+            try:
+                open_ = await asyncio.to_thread(conntrack.dnat_toward, fronts, family)
+            except OSError as exc:
+                log.warning("IPv%d NAT keeper: conntrack not read: %s; looking again in %.0fs",
+                            family, exc, NAT_KEEP_POLL)
+                open_ = 1
+            if open_:
+                waiting += open_
+                continue
+            res = await spawn.run(["nft", "-f", "-"], rules.remove_script(rules.KEEP_TABLE,
+                                                                           family))
+            if res.returncode == 0:
+                log.info("removed the IPv%d NAT keeper (%s): no connection an nfqueue-mode"
+                         " kpx DNATed is open any more", family, rules.KEEP_TABLE)
+        if not waiting:
+            return
+        await asyncio.sleep(NAT_KEEP_POLL)
 
 
 LEFTOVER_POLL = 1.0
@@ -347,6 +420,24 @@ async def remove_relay_leftovers(dataplane: NfqueueDataplane) -> None:
             log.info("removed the IPv%d client-IP return path a userspace-mode kpx left here"
                      " (nft table inet %s, its fwmark rule and route): nfqueue mode keeps the"
                      " client IP by DNAT", family, NFT_TABLE)
+
+
+HandedOn = list[tuple[tuple[str, int], socket.socket]]
+
+
+def handed_on(want: Mapping[str, object], queue: HandedOn) -> HandedOn | None:
+    """What an nfqueue-mode kpx passes a successor whose WANT frame says ``want``, of its
+    ``queue`` socket (``NfqueueDataplane.listening_sockets``).
+
+    One in nfqueue mode asks for the queue and gets its socket. One in
+    userspace mode gets nothing: it binds its own listeners and removes this
+    one's queueing rules before it says READY, and this one decides SYNs
+    until then. Any other (an older kpx, which does not say its mode) is
+    turned away (None): it might hold the queue bound and never read it.
+    """
+    if want.get("queue"):
+        return queue
+    return [] if want.get("mode") == "userspace" else None
 
 
 async def close_relay_time_wait(dataplane: NfqueueDataplane) -> None:
@@ -529,8 +620,8 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     source.stop()
     successor, offer = await offer_handover(args, ownership, loop, interrupted,
                                             "deciding SYNs",
-                                            lambda want: dataplane.listening_sockets()
-                                            if want.get("queue") else None)
+                                            lambda want: handed_on(
+                                                want, dataplane.listening_sockets()))
     # The successor holds the queue's socket from here, or it is free for one to bind.
     await dataplane.stop_accepting()
     if sidecar_started and sidecar is not None:

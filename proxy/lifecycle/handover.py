@@ -21,19 +21,22 @@ count from it, in order.
 
 Exchange (successor S, stopping owner O, after S connected to O's handover name)::
 
-    S: WANT {"listeners": true|false, "queue": true|false}
+    S: WANT {"listeners": true|false, "queue": true|false, "mode": "userspace"|"nfqueue"}
     O: LISTENERS {"keys": [[addr, port], ...]} + fds   (listeners only, batches)
     O: END {"count": n}
     S: READY {}              (S has applied its first state and accepts too)
     O: OWNER {} + owner fd   (O stopped accepting; the owner name moves to S)
 
 ``queue``: S takes an nfqueue socket too (``proxy.nfqueue``); only then
-does O pass one, keyed ``("nfqueue", queue number)``. An O in nfqueue mode
-answers a ``WANT`` without it ``FREE``: it gives the namespace up at once,
-and S claims it once released (a relay, or an older kpx, would hold the
-queue bound and never read it). ``BUSY`` (another successor is taking
-over) and ``FREE`` (O already gave up the namespace: just claim it) also
-answer a ``WANT`` that comes too late.
+does O pass one, keyed ``("nfqueue", queue number)``. ``mode``: S's
+``--proxy-mode`` (absent from an older kpx). An O in nfqueue mode passes a
+userspace-mode S no socket (``END {"count": 0}``) and goes on deciding SYNs
+until S is READY, which S says once it has removed O's queueing rules. It
+answers any other ``WANT`` without ``queue`` ``FREE``: it gives the
+namespace up at once, and S claims it once released (an older kpx would
+hold the queue bound and never read it). ``BUSY`` (another successor is
+taking over) and ``FREE`` (O already gave up the namespace: just claim it)
+also answer a ``WANT`` that comes too late.
 """
 
 from __future__ import annotations

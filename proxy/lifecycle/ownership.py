@@ -219,7 +219,8 @@ class Ownership:
 
     @classmethod
     def acquire(cls, base: str = BASE_NAME, successor_wait: float = SUCCESSOR_WAIT,
-                listeners: bool = True, standby: float = 0.0, queue: bool = False) -> Ownership:
+                listeners: bool = True, standby: float = 0.0, queue: bool = False,
+                mode: str | None = None) -> Ownership:
         """Take the owner name (or a stopping owner's handover), then announce presence.
 
         Owner first: a mistaken second instance must not even look present,
@@ -243,7 +244,10 @@ class Ownership:
 
         ``queue``: take an nfqueue socket over too (``--proxy-mode nfqueue``),
         among the listeners. Only a successor that asks is given one: any
-        other would hold the queue bound and never read it.
+        other would hold the queue bound and never read it. ``mode``
+        (``--proxy-mode``) tells the old one which this one is: an
+        nfqueue-mode owner goes on deciding SYNs for a userspace-mode
+        successor until it serves, and hands it no socket.
         """
         standby_until = time.monotonic() + standby
         said = False
@@ -278,7 +282,7 @@ class Ownership:
             if holder is not None and not asked:
                 asked = True  # one try per start: a failed one falls back to waiting
                 try:
-                    got = _ask(base, holder, listeners, deadline, queue)
+                    got = _ask(base, holder, listeners, deadline, queue, mode)
                 except _Busy as busy:
                     # Busy with a successor that may just have died: the owner
                     # notices at once, so ask again for a moment before failing.
@@ -442,8 +446,8 @@ class _Declined(Exception):
     """A stopping owner told its successor FREE: it cannot take this owner's sockets over."""
 
 
-def _ask(base: str, holder: int, listeners: bool, deadline: float, queue: bool = False
-         ) -> tuple[socket.socket | None, Claim | None] | None:
+def _ask(base: str, holder: int, listeners: bool, deadline: float, queue: bool = False,
+         mode: str | None = None) -> tuple[socket.socket | None, Claim | None] | None:
     """Ask the stopping owner ``holder`` for its handover (``Ownership.acquire``).
 
     Returns ``(owner socket, None)`` when the owner name was passed at once
@@ -469,7 +473,10 @@ def _ask(base: str, holder: int, listeners: bool, deadline: float, queue: bool =
         # hangs up, maybe before our request is through: its answer is still
         # there to read.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            send_frame(conn, WANT, {"listeners": listeners, "queue": queue})
+            want: dict[str, object] = {"listeners": listeners, "queue": queue}
+            if mode is not None:
+                want["mode"] = mode
+            send_frame(conn, WANT, want)
         wait = max(deadline - time.monotonic(), ASK_TIMEOUT)
         kind, msg = reader.read(wait)
         if kind == BUSY:
@@ -631,7 +638,7 @@ class Offer:
         """Keep serving until a successor has taken the listeners, or ``window`` passes.
 
         ``listeners(want)``: the sockets to pass to a successor whose WANT
-        frame says ``want`` (``{"listeners": ..., "queue": ...}``), or None
+        frame says ``want`` (``{"listeners": ..., "queue": ..., "mode": ...}``), or None
         if this process cannot hand over to such a one (an nfqueue socket
         to a successor that did not ask for it: it would hold the queue
         bound and never read it). That one is told FREE, to wait for the

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from proxy.core.decision import PlanKey, PortPlan
+from proxy.nfqueue.rules import Frontends
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ def apply(settings: Settings, root: Path = PROC) -> dict[str, int]:
 
 # -- stale UDP flows ----------------------------------------------------------------------
 
+TCP = 6
 UDP = 17
 
 
@@ -246,5 +248,65 @@ def clean_stale_udp(wanted: Serving, local_addresses: Collection[str], family: i
                 continue
             deleted += 1
         return deleted
+    finally:
+        ct.close()
+
+
+IPS_DST_NAT = 1 << 5
+"""``ctinfo``'s status bit for a connection whose destination was translated."""
+TCP_TIME_WAIT = 7
+TCP_CLOSE = 8
+
+
+class NatEntry(NamedTuple):
+    """What ``still_translated`` reads of one conntrack entry."""
+
+    proto: int
+    dst: str
+    dport: int
+    status: int
+    tcp_state: int | None = None
+    """conntrack's TCP state (``TCP_CONNTRACK_*``); None for UDP."""
+
+
+def still_translated(entries: Iterable[NatEntry], fronts: Frontends) -> int:
+    """How many of ``entries`` are connections DNATed to one of ``fronts`` that still need it
+    (pure): a TCP one not yet closed (TIME_WAIT and CLOSE are), or a UDP flow conntrack
+    still pins.
+
+    A NodePort frontend matches its port on any address, as its rule did.
+    """
+    ports = {(TCP if p == "tcp" else UDP, port) for p, port in fronts.ports}
+    pairs = {(TCP if p == "tcp" else UDP, a, port) for p, a, port in fronts.pairs}
+    n = 0
+    for e in entries:
+        if not e.status & IPS_DST_NAT or e.tcp_state in (TCP_TIME_WAIT, TCP_CLOSE):
+            continue
+        if (e.proto, e.dport) in ports or (e.proto, e.dst, e.dport) in pairs:
+            n += 1
+    return n
+
+
+def dnat_toward(fronts: Frontends, family: int = 4) -> int:
+    """``still_translated`` over this namespace's conntrack entries of ``family``: what a NAT
+    keeper (``rules.keep_nat``) waits out. Blocking (ctnetlink through pyroute2): run it
+    off the event loop."""
+    if not fronts.ports and not fronts.pairs:
+        return 0
+    from pyroute2 import Conntrack
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
+    ct = Conntrack(nfgen_family=af)
+    try:
+        entries = []
+        for proto in (TCP, UDP):
+            for raw in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af, proto=proto)):
+                o = raw.tuple_orig
+                if o.proto != proto or o.daddr is None or o.family != af:
+                    continue
+                state = getattr(raw.protoinfo, "state", None) if proto == TCP else None
+                entries.append(NatEntry(proto, o.daddr, o.dport, raw.status or 0, state))
+        return still_translated(entries, fronts)
     finally:
         ct.close()

@@ -86,6 +86,9 @@ from typing import Literal, NamedTuple
 log = logging.getLogger(__name__)
 
 NFT_TABLE = "kpx_nfq"
+KEEP_TABLE = "kpx_nfq_keep"
+"""The table that keeps NAT on for the connections an nfqueue-mode kpx DNATed, once a kpx in
+userspace mode has removed that kpx's rules (``keep_nat``)."""
 DEFAULT_QUEUE = 7078
 """kpx's number (as ``proxy.userspace.transparent.DEFAULT_TABLE``); 0-65535."""
 COMMENT = "kpx-nfqueue"
@@ -549,9 +552,14 @@ def write_tables(cfg: QueueConfig, served: Mapping[int, Served], mechanism: Mech
     changed meanwhile), each family is written on its own, as
     ``write_table`` does. RuntimeError if that fails too; ValueError for bad
     input, before anything runs.
+
+    A NAT keeper a relay left (``keep_nat``) goes in the same transaction:
+    these tables' nat chains keep NAT on for the connections it waited out.
+    Only the first write does this, before any SYN of this process is
+    queued (deleting a hook drops whatever waits in the queue).
     """
     script = "".join(nft_script(cfg, served[f], mechanism, f, in_place=objects.get(f) == OBJECTS)
-                     for f in served)
+                     + remove_script(KEEP_TABLE, f) for f in served)
     res = _run(["nft", "-f", "-"], script)
     if res.returncode == 0:
         return
@@ -559,6 +567,8 @@ def write_tables(cfg: QueueConfig, served: Mapping[int, Served], mechanism: Mech
                 " own", cfg.table, res.stderr.strip() or res.returncode)
     for family, each in served.items():
         write_table(cfg, each, mechanism, family)
+        _nft(remove_script(KEEP_TABLE, family), f"delete table {_nft_family(family).family}"
+                                                f" {KEEP_TABLE}")
 
 
 def table_objects(table: str = NFT_TABLE, family: int = 4) -> frozenset[tuple[str, str]] | None:
@@ -788,6 +798,110 @@ def remove(cfg: QueueConfig, families: Iterable[int] = FAMILIES) -> int:
         removed += _remove_xt(cfg, family)
         fam = _nft_family(family).family
         _nft(remove_script(cfg.table, family), f"delete table {fam} {cfg.table}")
+        _remove_empty_mangle(family)
+    return removed
+
+
+KEPT_SETS = ("ports", "pairs", "udp_ports", "udp_pairs")
+
+
+class Frontends(NamedTuple):
+    """The ports an nfqueue-mode table served: what its DNATed connections were made to."""
+
+    ports: frozenset[tuple[str, int]] = frozenset()
+    """``(protocol, port)`` served on every local address: NodePorts."""
+    pairs: frozenset[tuple[str, str, int]] = frozenset()
+    """``(protocol, address, port)`` served on one address: VIP ports, or NodePorts on
+    ``--nodeport-addresses``."""
+
+    def __or__(self, other: object) -> Frontends:
+        if not isinstance(other, Frontends):
+            return NotImplemented
+        return Frontends(self.ports | other.ports, self.pairs | other.pairs)
+
+
+def frontends(listing: str) -> Frontends | None:
+    """What ``nft -j list table FAMILY kpx_nfq`` (or ``kpx_nfq_keep``) served; None if the
+    listing is not one (pure).
+
+    Read from its sets ``ports`` and ``pairs`` (TCP) and ``udp_ports`` and
+    ``udp_pairs``: a NodePort is an ``int`` element, a pair a ``concat``.
+    """
+    try:
+        items = json.loads(listing)["nftables"]
+        ports: set[tuple[str, int]] = set()
+        pairs: set[tuple[str, str, int]] = set()
+        for item in items:
+            spec = item.get("set") if isinstance(item, dict) else None
+            if not spec or spec.get("name") not in KEPT_SETS:
+                continue
+            proto = "udp" if spec["name"].startswith("udp_") else "tcp"
+            for elem in spec.get("elem", []):
+                if isinstance(elem, int):
+                    ports.add((proto, elem))
+                else:
+                    addr, port = elem["concat"]
+                    pairs.add((proto, str(addr), int(port)))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return Frontends(frozenset(ports), frozenset(pairs))
+
+
+def keep_script(fronts: Frontends, family: int = 4, table: str = NFT_TABLE) -> str:
+    """The nft transaction that swaps ``family``'s table ``table`` for the NAT keeper.
+
+    Why a keeper: the kernel tracks connections in a namespace only while a
+    rule there needs conntrack, and translates them only while a nat chain of
+    their family is registered; on a node without kube-proxy, kpx's table
+    was both. Deleting it would leave every connection it DNATed untracked:
+    the client's next segment meets the node itself, which resets it. The
+    keeper is one nat chain whose one rule (``ct status dnat``, no
+    statement: it changes nothing) holds conntrack on, and the ``fronts`` it
+    was for, so whichever kpx finds it knows which connections it waits out
+    (``proxy.nfqueue.conntrack.dnat_toward``). It goes in before the old
+    table goes, in the same transaction. ValueError for a bad port or
+    address, before anything runs.
+    """
+    f = _nft_family(family)
+    by_name: dict[str, list[str]] = {n: [] for n in KEPT_SETS}
+    for proto, port in fronts.ports:
+        by_name["udp_ports" if proto == "udp" else "ports"].append(_port(port))
+    for proto, addr, port in fronts.pairs:
+        by_name["udp_pairs" if proto == "udp" else "pairs"].append(_pair(addr, port, family))
+    types = {"ports": "inet_service", "udp_ports": "inet_service",
+             "pairs": f"{f.addr} . inet_service", "udp_pairs": f"{f.addr} . inet_service"}
+    sets = "".join(f"  set {n} {{ type {types[n]};{_elements(sorted(by_name[n]))} }}\n"
+                   for n in KEPT_SETS)
+    return (remove_script(KEEP_TABLE, family)
+            + f"table {f.family} {KEEP_TABLE} {{\n{sets}"
+            + "  chain nat {\n    type nat hook prerouting priority -100; policy accept;\n"
+            + "    ct status dnat\n  }\n}\n" + remove_script(table, family))
+
+
+def kept(family: int = 4) -> Frontends | None:
+    """The frontends ``family``'s NAT keeper is for; None if there is none."""
+    res = _run(["nft", "-j", "list", "table", _nft_family(family).family, KEEP_TABLE])
+    return frontends(res.stdout) if res.returncode == 0 else None
+
+
+def keep_nat(cfg: QueueConfig, families: Iterable[int] = FAMILIES) -> int:
+    """``remove``, except that each family's table becomes its NAT keeper (``keep_script``),
+    for the connections it DNATed; returns the iptables and ip6tables rules deleted.
+
+    The queueing rules go first, so nothing is queued. A keeper there
+    already (an earlier switch, not yet waited out) keeps its frontends too.
+    """
+    removed = 0
+    for family in families:
+        removed += _remove_xt(cfg, family)
+        fam = _nft_family(family).family
+        res = _run(["nft", "-j", "list", "table", fam, cfg.table])
+        fronts = frontends(res.stdout) if res.returncode == 0 else None
+        if fronts is not None:
+            fronts = fronts | (kept(family) or Frontends())
+            _nft(keep_script(fronts, family, cfg.table), f"keep NAT for {fam} {cfg.table}")
+        else:
+            _nft(remove_script(cfg.table, family), f"delete table {fam} {cfg.table}")
         _remove_empty_mangle(family)
     return removed
 

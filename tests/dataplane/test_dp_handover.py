@@ -32,9 +32,10 @@ _n = itertools.count()
 
 OLD = """
 import asyncio, socket, sys
+from proxy.commands.wiring import handed_on
 from proxy.lifecycle.ownership import Ownership
 base, count, window, ready = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-queue = sys.argv[5] == "queue"  # as nfqueue mode: only to a successor that asks for the queue
+queue = sys.argv[5] == "queue"  # as nfqueue mode (handed_on), its sockets a queue's
 own = Ownership.acquire(base)
 socks = []
 for _ in range(count):
@@ -49,7 +50,7 @@ async def stop():
     offer = own.offer(loop)
     while True:
         successor = await offer.wait(
-            lambda want: None if queue and not want.get("queue") else
+            lambda want: handed_on(want, [(s.getsockname(), s) for s in socks]) if queue else
             [(s.getsockname(), s) for s in socks], window, ready)
         print("successor", successor.pid if successor else "none", flush=True)
         if successor is not None or sys.stdin.readline().strip() != "again":
@@ -269,6 +270,34 @@ def test_an_owner_passes_its_queue_only_to_a_successor_that_asks_for_it(
         assert list(own.claim.take_listeners()) == [("127.0.0.1", again.ports[0])]
     finally:
         own.close()
+
+
+def test_an_nfqueue_mode_owner_serves_until_a_userspace_mode_successor_is_ready(
+    base: str, old_factory: type[Old],
+) -> None:
+    """A relay successor binds its own listeners and removes the queueing rules before it
+    says READY: the owner passes it nothing, and decides SYNs until then (it used to give
+    the namespace up at once, and SYNs queued to nobody until the relay had started)."""
+    old = old_factory(count=1, window=30.0, queue=True)
+    old.say("stop")
+    offering(base, old.proc.pid)
+    own = Ownership.acquire(base, successor_wait=10.0, mode="userspace")
+    try:
+        assert own.claim is not None and not own.owner, "a handover, not the name"
+        assert own.claim.take_listeners() == {}
+        assert owner_pid(base) == old.proc.pid, "the owner still serves until READY"
+
+        async def take_over() -> bool:
+            return await own.take_over(asyncio.sleep(0))
+
+        assert asyncio.run(take_over())
+        assert old.line() == f"successor {os.getpid()}"
+        assert old.line() == "released"
+        assert own.owner and owner_pid(base) == os.getpid()
+    finally:
+        own.close()
+    old.say("exit")
+    assert old.proc.wait(5) == 0
 
 
 # -- the dataplane adopts inherited sockets -------------------------------------------

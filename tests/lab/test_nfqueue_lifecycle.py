@@ -134,28 +134,58 @@ def test_a_restart_hands_the_queue_over_so_no_syn_waits_for_a_retransmit(
     assert kpx_rules(lab) == ONE_COPY
 
 
+def keepers(lab: Lab) -> set[str]:
+    """NODE's NAT keepers' families (``ip``, ``ip6``: ``kpx_nfq_keep``)."""
+    tables = lab.run(NODE, ["nft", "list", "tables"]).stdout.splitlines()
+    return {fam for fam in ("ip", "ip6") if f"table {fam} kpx_nfq_keep" in tables}
+
+
 def test_a_restart_into_userspace_mode_removes_the_queueing_rules(
         lab_factory: LabFactory) -> None:
     """As kube-proxy cleans up its other modes' rules at start. The old process sees its
     successor present and leaves its rules, which would queue every SYN to a queue that no
-    process reads: the relay's listeners would never see one."""
+    process reads: the relay's listeners would never see one.
+
+    The relay removes them before it says READY, and the old process decides SYNs until
+    then: no connect waits for a retransmit (one did, for up to a second, when the old
+    process gave the namespace up at once). A connection they DNATed goes on: the table
+    becomes a NAT keeper, without which the node stopped tracking it and reset it; the
+    keeper goes once that connection has closed."""
     lab = lab_factory(lab_spec({"web-1": "node1"}, service("web", "Cluster")),
                       extra_proxy_args=NFQ)
     wait_applied(lab)
     ip, port = lab.node_ip(NODE), lab.node_port("default/web")
     assert who(lab, "client", ip, port)[0]["pod"] == "web-1"
     assert kpx_rules(lab) == ONE_COPY
-    lab.extra_proxy_args = ()  # the relay, kpx's default
-    old, new = lab.restart_proxy(NODE)
-    wait_until(lambda: not netns.pid_alive(old), 15, what="the nfqueue-mode kpx node to exit")
-    wait_until(lambda: kpx_rules(lab) == (0, 0, 0, 0), 10, what="the queueing rules removed")
-    # By the relay, not by the old process (which leaves them to a successor present).
-    # The line comes once the removal returns, a moment after the rules are gone.
-    wait_until(lambda: "removed the rules an nfqueue-mode kpx left here" in lab.proxy_log(NODE),
-               5, what="the relay's log of the removal")
-    reply, _ = who(lab, "client", ip, port, timeout=5.0)
-    assert reply["pod"] == "web-1"
-    assert lab.listener_pids(NODE, port) == {new}, "the relay serves the NodePort"
+    held = echo_conn(lab, ip, port)  # DNATed by nfqueue mode's rules
+    try:
+        assert echoes(held, b"before" * 1000)
+        lab.extra_proxy_args = ()  # the relay, kpx's default
+        with PacedConnects(lab, "client", ip, port, every=0.005, max_count=800) as load:
+            wait_until(lambda: len(load.since(0)) >= 20, 10, what="connects before the restart")
+            old, new = lab.restart_proxy(NODE)
+            wait_until(lambda: not netns.pid_alive(old), 15,
+                       what="the nfqueue-mode kpx node to exit")
+            gone = time.monotonic()
+            wait_until(lambda: len(load.since(gone)) >= 20, 10, what="connects after it exited")
+        failed = [c for c in load.done if c.outcome != "ok"]
+        assert not failed, f"{len(failed)} of {len(load.done)} connects failed: {failed[:3]}"
+        slow = [c for c in load.done if c.took >= 0.9]
+        assert not slow, f"{len(slow)} connects waited for a retransmitted SYN: {slow[:3]}"
+        assert kpx_rules(lab) == (0, 0, 0, 0)
+        # By the relay, not by the old process (which leaves them to a successor present).
+        # The line comes once the removal returns, a moment after the rules are gone.
+        wait_until(lambda: "removed the rules an nfqueue-mode kpx left here"
+                   in lab.proxy_log(NODE), 5, what="the relay's log of the removal")
+        assert f"serving on the listeners of kpx node pid {old}" in lab.proxy_log(NODE)
+        reply, _ = who(lab, "client", ip, port, timeout=5.0)
+        assert reply["pod"] == "web-1"
+        assert lab.listener_pids(NODE, port) == {new}, "the relay serves the NodePort"
+        assert echoes(held, b"after" * 1000), "a DNATed connection broke at the switch"
+        assert "ip" in keepers(lab), "the IPv4 keeper, while a connection it keeps is open"
+    finally:
+        held.close()
+    wait_until(lambda: not keepers(lab), 15, what="the NAT keepers removed")
 
 
 def return_path(lab: Lab) -> tuple[bool, int, int]:

@@ -489,3 +489,56 @@ def test_a_successor_whose_tables_cannot_be_worked_out_reads_the_queue_once_it_i
         dp._task.cancel()
         loop.run_until_complete(asyncio.gather(dp._task, return_exceptions=True))
         loop.close()
+
+
+# -- the NAT keeper a relay leaves (rules.keep_nat) ----------------------------------------
+
+LISTED = ('{"nftables": [{"metainfo": {"version": "1.0.6"}},'
+          ' {"table": {"family": "ip", "name": "kpx_nfq"}},'
+          ' {"set": {"family": "ip", "name": "ports", "type": "inet_service", "elem": [30080]}},'
+          ' {"set": {"family": "ip", "name": "pairs", "type": ["ipv4_addr", "inet_service"],'
+          '  "elem": [{"concat": ["10.96.0.10", 80]}]}},'
+          ' {"set": {"family": "ip", "name": "udp_ports", "type": "inet_service",'
+          '  "elem": [30053]}},'
+          ' {"set": {"family": "ip", "name": "vips", "type": "ipv4_addr",'
+          '  "elem": ["10.96.0.10"]}}]}')
+
+
+def test_a_keeper_knows_what_the_table_it_replaced_served() -> None:
+    fronts = rules.frontends(LISTED)
+    assert fronts == rules.Frontends(frozenset({("tcp", 30080), ("udp", 30053)}),
+                                     frozenset({("tcp", "10.96.0.10", 80)}))
+    script = rules.keep_script(fronts, 4)
+    # Its own, fresh; then the old table goes, in the same transaction.
+    assert script.startswith("table ip kpx_nfq_keep\ndelete table ip kpx_nfq_keep\n")
+    assert script.endswith("table ip kpx_nfq\ndelete table ip kpx_nfq\n")
+    assert "type nat hook prerouting priority -100; policy accept;\n    ct status dnat\n" in script
+    assert "set ports { type inet_service; elements = { 30080 }; }" in script
+    assert "set pairs { type ipv4_addr . inet_service; elements = { 10.96.0.10 . 80 }; }" in script
+    assert "set udp_ports { type inet_service; elements = { 30053 }; }" in script
+    # What a keeper lists reads back as the same frontends.
+    assert rules.frontends(LISTED.replace('"kpx_nfq"', '"kpx_nfq_keep"')) == fronts
+    assert rules.frontends("not json") is None
+    with pytest.raises(ValueError, match="not an IPv6 address"):
+        rules.keep_script(fronts, 6)
+
+
+def test_a_keeper_waits_for_open_dnated_connections_to_its_frontends_only() -> None:
+    fronts = rules.Frontends(frozenset({("tcp", 30080), ("udp", 30053)}),
+                             frozenset({("tcp", "10.96.0.10", 80)}))
+    dnat, tcp, udp = conntrack.IPS_DST_NAT, conntrack.TCP, conntrack.UDP
+    established, time_wait, close = 3, conntrack.TCP_TIME_WAIT, conntrack.TCP_CLOSE
+    e = conntrack.NatEntry
+    assert conntrack.still_translated([
+        e(tcp, "10.77.0.11", 30080, dnat, established),   # a NodePort's, open
+        e(udp, "10.77.0.11", 30053, dnat),                # a UDP flow conntrack pins
+        e(tcp, "10.96.0.10", 80, dnat | 0x8, established),  # a VIP's
+    ], fronts) == 3
+    assert conntrack.still_translated([
+        e(tcp, "10.77.0.11", 30080, dnat, time_wait),     # closed
+        e(tcp, "10.77.0.11", 30080, dnat, close),
+        e(tcp, "10.77.0.11", 30080, 0, established),      # not DNATed: the relay's own
+        e(tcp, "10.77.0.11", 30081, dnat, established),   # another port
+        e(tcp, "10.96.0.11", 80, dnat, established),      # another VIP
+        e(udp, "10.77.0.11", 30080, dnat),                # the port, over the other protocol
+    ], fronts) == 0
