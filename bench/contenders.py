@@ -27,8 +27,9 @@ and naive bind the IPv6 address, and kpx gets a dual-stack state
 (``bench_state(..., family=6)``). Only the NodePort paths (local, cross)
 run over IPv6.
 
-One contender is a diagnostic, run only when named: ``nfq-floor``, kpx-nfq's rules
-answered by a minimal C reader (``NfqFloor``), the floor kpx-nfq is measured against.
+Two contenders are diagnostics, run only when named: ``nfq-floor``, kpx-nfq's rules
+answered by a minimal C reader (``NfqFloor``), the floor kpx-nfq is measured against, and
+``nfq-pyfloor``, the same reader in Python (``NfqPyFloor``), the floor of a Python reader.
 Its cells off the IPv4 NodePort paths are n/a (``serves_path``).
 """
 
@@ -839,13 +840,17 @@ class NfqFloor(KpxNfqueue):
             return "answers IPv4 NodePort SYNs only (the local and cross paths)"
         return None
 
+    def reader(self) -> list[str]:
+        """The command that answers the queue in kpx-nfq's place, before its arguments."""
+        return [str(self.build())]
+
     def start(self, path: str, state: str | None = None) -> None:
-        binary = self.build()
+        reader = self.reader()
         super().start(path, state)  # kpx-nfq, until it answers: its rules are in
         kpx, marks = self.proc, self.marks(path)
         assert kpx is not None
         kpx.kill()
-        argv = [str(binary), str(NFQ_QUEUE), hex(NFQ_MASK),
+        argv = [*reader, str(NFQ_QUEUE), hex(NFQ_MASK),
                 *(f"{port}={','.join(map(hex, m))}" for port, m in sorted(marks.items()))]
         self.proc = Proc(f"{self.name}-{path}", self.topo.exec_argv("node1", argv),
                          self.log_dir).start()
@@ -856,17 +861,43 @@ class NfqFloor(KpxNfqueue):
         self.topo.reset_node1()  # kpx-nfq's rules, which its SIGKILL left for the floor
 
 
+PYFLOOR_SOURCE = Path(__file__).with_name("nfqpyfloor.py")
+
+
+class NfqPyFloor(NfqFloor):
+    """``nfq-floor`` with its reader in Python (``nfqpyfloor.py``): the floor of a Python
+    NFQUEUE reader on this machine.
+
+    The same rules, marks and batches as the C floor, in one Python thread that does
+    nothing else. Its gap to the C floor is what the interpreter costs (woken cold, per
+    SYN); kpx-nfq's gap to it is what kpx's reader adds (its parsing, plans and
+    ``decide``). Run by the interpreter kpx runs on. Asked for by name, never by default.
+    """
+
+    name = "nfq-pyfloor"
+    description = ("kpx-nfq's rules, every SYN answered by a minimal Python reader: the floor "
+                   "of a Python reader")
+    port_base = 30800
+
+    def unavailable(self) -> str | None:
+        return KpxNfqueue.unavailable(self)  # no compiler needed
+
+    def reader(self) -> list[str]:
+        return [sys.executable, str(PYFLOOR_SOURCE)]
+
+
 CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq",
-                   "nfq-floor")
+                   "nfq-floor", "nfq-pyfloor")
 """Every contender, in run and report order."""
 UDP_ONLY = ("socat",)
 """Contenders that take part only in the udp workload: in the default list only
 when udp runs, so the default TCP run is the same as before they existed."""
-BY_NAME_ONLY = ("nfq-floor",)
+BY_NAME_ONLY = ("nfq-floor", "nfq-pyfloor")
 """Diagnostic contenders, run only when ``--contenders`` names them."""
 CLASSES: dict[str, type[Contender]] = {
     "direct": Direct, "kernel": Kernel, "haproxy": HAProxy, "naive": Naive, "socat": Socat,
     "kpx": Kpx, "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue, "nfq-floor": NfqFloor,
+    "nfq-pyfloor": NfqPyFloor,
 }
 
 
@@ -904,5 +935,6 @@ def make_contenders(names: list[str], topo: Topology, log_dir: Path,
         "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp, udp_service=udp),
         "kpx-nfq": KpxNfqueue(topo, log_dir, kpx, etp, udp_service=udp),
         "nfq-floor": NfqFloor(topo, log_dir, kpx, etp, udp_service=udp),
+        "nfq-pyfloor": NfqPyFloor(topo, log_dir, kpx, etp, udp_service=udp),
     }
     return [table[n] for n in names]

@@ -339,12 +339,15 @@ RATIO_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 
 FLOOR_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("nfq-floor", "kernel", ("conn_per_s",)),
-    ("kpx-nfq", "nfq-floor", ("conn_per_s", "cps_cpu_us")),
+    ("nfq-floor", "kernel", ("conn_per_s", "connect_p99_us")),
+    ("kpx-nfq", "nfq-floor", ("conn_per_s", "cps_cpu_us", "connect_p99_us")),
+    ("nfq-pyfloor", "nfq-floor", ("conn_per_s", "connect_p50_us", "connect_p99_us")),
+    ("kpx-nfq", "nfq-pyfloor", ("conn_per_s", "connect_p50_us", "connect_p99_us")),
 )
-"""The NFQUEUE floor against kernel DNAT (what the queue costs) and kpx-nfq against the
-floor (what kpx's Python costs): printed only where both sides ran, since nfq-floor runs
-only when asked for by name."""
+"""The NFQUEUE floor against kernel DNAT (what the queue costs), the Python floor against
+it (what a Python reader costs), and kpx-nfq against each (what kpx's Python, and what
+kpx's reader beyond the least a Python one does, costs): printed only where both sides
+ran, since the floors run only when asked for by name."""
 
 
 def all_ratios(table: CellTable) -> list[Ratio]:

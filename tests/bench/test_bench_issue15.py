@@ -178,9 +178,9 @@ def test_the_runner_plans_connect_for_every_tcp_contender() -> None:
                  settings=Settings(connect_count=500, pause=1.0))
     bench = Bench.__new__(Bench)  # planning reads only the config
     bench.cfg = cfg
-    runs = 2 * 2 * 8  # paths x rounds x contenders that serve TCP (not socat)
+    runs = 2 * 2 * 9  # paths x rounds x contenders that serve TCP (not socat)
     assert bench._planned_steps() == runs
-    # The NFQUEUE floor serves IPv4 NodePorts only: not on the clusterip path.
+    # The NFQUEUE floors serve IPv4 NodePorts only: not on the clusterip path.
     bench.cfg = Config(workloads=["connect"], paths=["clusterip"], runs=2,
                        contenders=list(CONTENDER_ORDER), settings=cfg.settings)
     assert bench._planned_steps() == 2 * 7

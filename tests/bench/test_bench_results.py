@@ -121,6 +121,15 @@ def test_the_floor_ratios_appear_only_where_the_floor_ran() -> None:
     assert by[("nfq-floor/kernel", "conn_per_s")] == pytest.approx(0.95)
     assert by[("kpx-nfq/nfq-floor", "conn_per_s")] == pytest.approx(8.0 / 9.5)
     assert by[("kpx-nfq/nfq-floor", "cps_cpu_us")] == pytest.approx(1.5)
+    assert not any("pyfloor" in r.name for r in all_ratios(t))
+    t.cell("local", "connect", "nfq-floor").add(ok(connect_p50_us=150.0, connect_p99_us=300.0))
+    t.cell("local", "connect", "kpx-nfq").add(ok(connect_p50_us=330.0, connect_p99_us=600.0))
+    t.cell("local", "connect", "nfq-pyfloor").add(ok(connect_p50_us=250.0,
+                                                     connect_p99_us=500.0))
+    by = {(r.name, r.metric): r.value for r in all_ratios(t)}
+    assert by[("nfq-pyfloor/nfq-floor", "connect_p99_us")] == pytest.approx(500 / 300)
+    assert by[("kpx-nfq/nfq-pyfloor", "connect_p50_us")] == pytest.approx(330 / 250)
+    assert ("kpx-nfq/nfq-pyfloor", "conn_per_s") not in by  # no cps cell of the Python floor
 
 
 def test_targets_met_missed_and_not_measured() -> None:

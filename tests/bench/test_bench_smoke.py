@@ -104,10 +104,11 @@ def test_every_contender_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
             assert cell is not None and cell.status == "ok", (c, w, cell and cell.reason)
     for c in ("haproxy", "naive"):
         assert table.get("local", "mem", c).status == "ok"
-    if shutil.which("cc") is not None:  # the NFQUEUE floor forwards as kpx-nfq does
+    floors = ["nfq-pyfloor", *(["nfq-floor"] if shutil.which("cc") is not None else [])]
+    for floor in floors:  # the NFQUEUE floors forward as kpx-nfq does
         for w in ("bulk", "rr", "cps"):
-            cell = table.get("local", w, "nfq-floor")
-            assert cell is not None and cell.status == "ok", (w, cell and cell.reason)
+            cell = table.get("local", w, floor)
+            assert cell is not None and cell.status == "ok", (floor, w, cell and cell.reason)
     assert table.get("local", "mem", "kernel").status == "n/a"
     assert doc["complete"] is True
     assert doc["sysctls"] and all(

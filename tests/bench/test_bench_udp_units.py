@@ -25,6 +25,7 @@ from bench.contenders import (
     Kernel,
     Naive,
     NfqFloor,
+    NfqPyFloor,
     Socat,
     bench_state,
     default_contenders,
@@ -258,6 +259,10 @@ def test_the_nfqueue_floor_runs_only_when_named_and_only_where_it_can() -> None:
     assert "IPv4 NodePort" in (NfqFloor.serves_path("local", 6) or "")
     assert serves("nfq-floor", "cps") is None and serves("nfq-floor", "connect") is None
     assert serves("nfq-floor", "udp") and serves("nfq-floor", "mem")
+    assert "nfq-pyfloor" not in cli.build_config(parse()).contenders
+    assert serves("nfq-pyfloor", "connect") is None and serves("nfq-pyfloor", "udp")
+    assert NfqPyFloor.serves_path("cross", 4) is None
+    assert NfqPyFloor.serves_path("local", 6)
 
 
 def test_report_rows_and_ratios_for_udp() -> None:
