@@ -325,17 +325,6 @@ def test_install_again_leaves_one_copy_and_remove_leaves_nothing() -> None:
             node.dial(FORWARD)
 
 
-def _echoes(s: socket.socket, data: bytes) -> bool:
-    s.sendall(data)
-    got = b""
-    while len(got) < len(data):
-        chunk = s.recv(65536)
-        if not chunk:
-            return False
-        got += chunk
-    return got == data
-
-
 def test_a_relays_nat_keeper_keeps_dnated_connections_until_an_nfqueue_write_takes_over(
 ) -> None:
     """``keep_nat`` (a relay's start): nothing is queued any more, but a connection already
@@ -345,19 +334,19 @@ def test_a_relays_nat_keeper_keeps_dnated_connections_until_an_nfqueue_write_tak
     with nfqueue_node() as node, node.dial(FORWARD) as s:
         ns = node.topo.node
         s.sendall(b"ECHO\n")
-        assert _echoes(s, b"before" * 100)
+        assert backends.echoes(s, b"before" * 100)
         assert in_netns(ns, rules.keep_nat, CFG) == 2
         tables = node.node_sh("nft", "list", "tables").splitlines()
         assert "table ip kpx_nfq_keep" in tables and f"table ip {CFG.table}" not in tables
         assert in_netns(ns, rules.kept, 4) == rules.Frontends(
             frozenset(("tcp", p) for p in SERVED.ports), frozenset())
-        assert _echoes(s, b"kept" * 100), "the DNATed connection broke"
+        assert backends.echoes(s, b"kept" * 100), "the DNATed connection broke"
         with pytest.raises(ConnectionRefusedError):  # not queued: the node itself resets it
             node.dial(FORWARD, timeout=2.0)
         in_netns(ns, rules.write_tables, CFG, {4: SERVED}, "xt", {4: None})
         tables = node.node_sh("nft", "list", "tables").splitlines()
         assert "table ip kpx_nfq_keep" not in tables and f"table ip {CFG.table}" in tables
-        assert _echoes(s, b"after" * 100)
+        assert backends.echoes(s, b"after" * 100)
 
 
 def test_a_mangle_table_with_anyone_elses_rule_stays() -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from lab import Lab, netns
 from lab.common import wait_until
+from tests.support.backends import echoes
 from tests.support.labkit import PacedConnects, lab_spec, peer_ip, service, wait_applied, who
 
 pytestmark = [pytest.mark.lab, pytest.mark.serial]
@@ -36,17 +37,6 @@ def echo_conn(lab: Lab, ip: str, port: int) -> socket.socket:
     s.connect((ip, port))
     s.sendall(b"ECHO\n")
     return s
-
-
-def echoes(s: socket.socket, data: bytes) -> bool:
-    s.sendall(data)
-    got = b""
-    while len(got) < len(data):
-        chunk = s.recv(65536)
-        if not chunk:
-            return False
-        got += chunk
-    return got == data
 
 
 ONE_COPY = (2, 1, 2, 1)

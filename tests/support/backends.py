@@ -163,6 +163,19 @@ class Server(socketserver.ThreadingTCPServer):
         self.server_close()
 
 
+def echoes(s: socket.socket, data: bytes) -> bool:
+    """Send ``data`` on a connection in ECHO mode (this backend's, or the lab pod's) and
+    read it back: True if every byte came back as sent, False at an early EOF."""
+    s.sendall(data)
+    got = b""
+    while len(got) < len(data):
+        chunk = s.recv(65536)
+        if not chunk:
+            return False
+        got += chunk
+    return got == data
+
+
 def start(addr: str = "127.0.0.1", port: int = 0, name: str = "backend") -> Server:
     """A backend serving in a daemon thread; ``stop()`` it when done."""
     srv = Server((addr, port), name)
