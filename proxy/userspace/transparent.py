@@ -45,6 +45,7 @@ own subprocesses (the guard's check: no thread, the loop never waits).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -526,13 +527,15 @@ def close_time_wait_legs(family: int, endpoints: Collection[tuple[str, int]]) ->
     whose own address is not one of this namespace's (only a transparent
     socket can have one). Nothing else is touched: a TIME_WAIT socket holds
     no data, and its connection is over. Blocking (sock_diag through
-    pyroute2): run it off the event loop.
+    pyroute2): run it off the event loop. OSError when the kernel cannot
+    close sockets this way (no ``CONFIG_INET_DIAG_DESTROY``).
     """
     if not endpoints:
         return 0
     # Imported here: only nfqueue mode closes a relay's leftovers.
-    from pyroute2.netlink import NLM_F_REQUEST
+    from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST
     from pyroute2.netlink.diag import SOCK_DESTROY, SS_TIME_WAIT, DiagSocket, inet_diag_req
+    from pyroute2.netlink.exceptions import NetlinkError
 
     af = socket.AF_INET if family == 4 else socket.AF_INET6
     wanted = set(endpoints)
@@ -555,8 +558,20 @@ def close_time_wait_legs(family: int, endpoints: Collection[tuple[str, int]]) ->
             req["idiag_src"], req["idiag_dst"] = _diag_address(own, af), _diag_address(
                 m["idiag_dst"], af)
             req["idiag_if"], req["idiag_cookie"] = m["idiag_if"], m["idiag_cookie"]
-            # No ack asked: one that expired meanwhile is the kernel's ENOENT, unread.
-            ds.put(req, SOCK_DESTROY, NLM_F_REQUEST)
+            if closed == 0:
+                # The first is acknowledged: a kernel without sock_diag's destroy
+                # (CONFIG_INET_DIAG_DESTROY) refuses it, and that is an error to report,
+                # not a count. The rest are not: one that expired meanwhile is the
+                # kernel's ENOENT, left unread.
+                try:
+                    tuple(ds.nlm_request(req, SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK))
+                except NetlinkError as exc:
+                    if exc.code != errno.ENOENT:
+                        raise OSError(exc.code, f"sock_diag destroy: {os.strerror(exc.code)}"
+                                      ) from exc
+                    continue
+            else:
+                ds.put(req, SOCK_DESTROY, NLM_F_REQUEST)
             closed += 1
     return closed
 

@@ -6,9 +6,11 @@ Installing and removing the routing is tested only inside a test namespace
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -89,3 +91,43 @@ def test_only_time_wait_sockets_with_a_foreign_own_address_are_closed() -> None:
         assert close_time_wait_legs(4, {("127.0.0.1", port)}) == 0
         assert time_wait_toward(port) == 1
         assert close_time_wait_legs(4, set()) == 0
+
+
+class _FakeDiag:
+    """pyroute2's DiagSocket over a kernel that cannot destroy sockets: one TIME_WAIT
+    socket of a relay's (a client's address, toward an endpoint), every destroy refused."""
+
+    def __init__(self) -> None:
+        self.put_calls = 0
+
+    def __enter__(self) -> _FakeDiag:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def bind(self) -> None:
+        pass
+
+    def get_sock_stats(self, **kw: object) -> list[dict[str, object]]:
+        leg = {"idiag_src": "198.51.100.7", "idiag_sport": 40000, "idiag_dst": "10.244.1.11",
+               "idiag_dport": 8080, "idiag_if": 0, "idiag_cookie": 1}
+        return [leg, {**leg, "idiag_sport": 40001, "idiag_cookie": 2}]
+
+    def nlm_request(self, *args: object) -> Iterator[object]:
+        from pyroute2.netlink.exceptions import NetlinkError
+        raise NetlinkError(errno.EOPNOTSUPP)
+
+    def put(self, *args: object) -> None:
+        self.put_calls += 1
+
+
+def test_a_kernel_that_cannot_close_time_wait_sockets_is_an_error_not_a_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyroute2.netlink.diag
+    fake = _FakeDiag()
+    monkeypatch.setattr(pyroute2.netlink.diag, "DiagSocket", lambda: fake)
+    with pytest.raises(OSError, match="sock_diag destroy") as raised:
+        close_time_wait_legs(4, {("10.244.1.11", 8080)})
+    assert raised.value.errno == errno.EOPNOTSUPP
+    assert fake.put_calls == 0, "nothing more is asked of a kernel that refused the first"
