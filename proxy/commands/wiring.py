@@ -350,8 +350,9 @@ async def wait_out_nat_keepers(families: tuple[int, ...]) -> None:
     A look each ``NAT_KEEP_POLL``: the keeper's frontends (``nft``, from the
     loop) and conntrack's DNATed entries toward them (ctnetlink, in a thread:
     ``conntrack.dnat_toward``). A long-lived connection keeps it as long as
-    it lasts, which costs an empty nat chain. An nfqueue-mode kpx that starts
-    meanwhile removes it in its first write (its own nat chains take over).
+    it lasts, which costs a nat chain that NATs nothing anew, and conntrack
+    on for the relay's traffic. An nfqueue-mode kpx that starts meanwhile
+    removes it in its first write (its own nat chains take over).
     """
     while True:
         waiting = 0
@@ -403,9 +404,10 @@ async def remove_relay_leftovers(dataplane: NfqueueDataplane) -> None:
     (its connections close meanwhile), and once more after it has gone.
     """
     await dataplane.synced.wait()
+    families = dataplane.families
     while True:
         others = live_pids() - {os.getpid()}
-        await close_relay_time_wait(dataplane)
+        families = await close_relay_time_wait(dataplane, families)
         if not others:
             break
         await asyncio.sleep(LEFTOVER_POLL)
@@ -440,11 +442,14 @@ def handed_on(want: Mapping[str, object], queue: HandedOn) -> HandedOn | None:
     return [] if want.get("mode") == "userspace" else None
 
 
-async def close_relay_time_wait(dataplane: NfqueueDataplane) -> None:
+async def close_relay_time_wait(dataplane: NfqueueDataplane, families: tuple[int, ...]
+                                ) -> tuple[int, ...]:
     """Close the TIME_WAIT sockets a relay's client-IP connections left toward the endpoints
     in force (``close_time_wait_legs``: each would take the SYN-ACK of a client's next
-    connection that happens to reuse its port)."""
-    for family in dataplane.families:
+    connection that happens to reuse its port), for each of ``families``; returns those
+    worth asking again (a kernel that cannot close them is told once, and logged once)."""
+    again = []
+    for family in families:
         endpoints = dataplane.tcp_endpoints(family)
         try:
             closed = await asyncio.to_thread(close_time_wait_legs, family, endpoints)
@@ -452,10 +457,12 @@ async def close_relay_time_wait(dataplane: NfqueueDataplane) -> None:
             log.error("could not close the IPv%d TIME_WAIT sockets a userspace-mode kpx left:"
                       " %s; a client reusing one's port times out until it expires", family, exc)
             continue
+        again.append(family)
         if closed:
             log.info("closed %d IPv%d TIME_WAIT socket(s) that a userspace-mode kpx's"
                      " client-IP connections left toward endpoints: each would drop the"
                      " SYN-ACK of a client's connection reusing its port", closed, family)
+    return tuple(again)
 
 
 async def take_over(ownership: Ownership, loop: asyncio.AbstractEventLoop,
