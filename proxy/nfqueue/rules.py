@@ -3,11 +3,13 @@
 Owns: in the namespace kpx runs in, the nft tables ``ip kpx_nfq`` (IPv4)
 and ``ip6 kpx_nfq`` (IPv6) and, on a kernel without nft's ``queue``
 expression, two iptables and two ip6tables rules (mangle PREROUTING and
-OUTPUT, comment ``kpx-nfqueue``). Pure functions render them
-(``nft_script``, ``iptables_rules``) and say what a mark means
-(``MarkLayout``); ``install``, ``remove`` and ``nft_queue_supported`` run
-``nft``/``iptables``/``ip6tables`` with ``subprocess`` (blocking: start and
-exit only).
+OUTPUT, comment ``kpx-nfqueue``); and, once a kpx in userspace mode has
+taken their place, each family's NAT keeper ``kpx_nfq_keep`` (``keep_nat``),
+until the connections they DNATed have closed. Pure functions render them
+(``nft_script``, ``iptables_rules``, ``keep_script``) and say what a mark
+means (``MarkLayout``); ``install``, ``remove``, ``keep_nat`` and
+``nft_queue_supported`` run ``nft``/``iptables``/``ip6tables`` with
+``subprocess`` (blocking: start and exit only).
 
 Each family is its own table, as kube-proxy's ``ip kube-proxy`` and ``ip6
 kube-proxy`` are: the same chains over ``ip6 daddr``, ``ipv6_addr`` sets
