@@ -416,7 +416,7 @@ class NfqueueDataplane:
         """(service port, verdict) -> packets since the last ``flush_metrics``."""
         self._reader: threading.Thread | None = None
         self._worker: ThreadPoolExecutor | None = None
-        """The syncs' worker thread (``_off_loop``), started at the first sync."""
+        """The syncs' worker thread (``off_loop``), started at the first sync."""
         self._stop_reading = False
         self._wake_r = self._wake_w = -1
         """The pipe that wakes the reader to stop."""
@@ -516,18 +516,18 @@ class NfqueueDataplane:
             self._wanted = None
             try:
                 if self._mechanism is None:
-                    self._mechanism = await self._off_loop(rules.choose_mechanism,
+                    self._mechanism = await self.off_loop(rules.choose_mechanism,
                                                            self.cfg.queue)
                 # Off the loop, as the rendering below is: at tens of thousands of
                 # services this walk takes a good part of a second, which /healthz
                 # must not wait out (the plans are immutable; only this task
                 # touches the slots).
-                pending = Tables(*[await self._off_loop(self._tabulate, *want, fam)
+                pending = Tables(*[await self.off_loop(self._tabulate, *want, fam)
                                    for fam, want in ((4, wanted.v4), (6, wanted.v6))])
                 # The first write's look at the tables there, while a predecessor
                 # still reads the queue (``_install``).
                 objects = (None if self._installed.issuperset(self.families)
-                           else await self._off_loop(self._table_objects))
+                           else await self.off_loop(self._table_objects))
                 self.prepared.set()
                 await self._go.wait()
                 if self._sock is None:
@@ -627,14 +627,14 @@ class NfqueueDataplane:
         """
         assert self._mechanism is not None
         served = {f: pending.of(f).served for f in self.families}
-        await self._off_loop(rules.write_tables, self.cfg, served, self._mechanism, objects)
+        await self.off_loop(rules.write_tables, self.cfg, served, self._mechanism, objects)
         now = time.monotonic()
         for family in self.families:
             self._written[family], self._whole_at[family] = served[family], now
         self._tables = pending  # in the kernel now: what the verdicts may name
         self._start_reading()
         for family in self.families:
-            await self._off_loop(rules.queue_syns, self.cfg, self._mechanism, family)
+            await self.off_loop(rules.queue_syns, self.cfg, self._mechanism, family)
             self._installed.add(family)
 
     async def _write(self, served: rules.Served, mechanism: rules.Mechanism,
@@ -653,7 +653,7 @@ class NfqueueDataplane:
             self._written[family] = None  # re-check: whatever was changed by hand goes
         written = self._written[family]
         if written is not None:
-            delta = await self._off_loop(rules.update_script, table, written, served,
+            delta = await self.off_loop(rules.update_script, table, written, served,
                                          self.cfg.layout, family)
             if not delta:
                 return
@@ -662,11 +662,17 @@ class NfqueueDataplane:
                 return
             log.warning("nfqueue: table %s (IPv%d) is not as kpx left it (%s); writing it"
                         " whole", table, family, res.stderr.strip() or res.returncode)
-        await self._off_loop(rules.write_table, self.cfg, served, mechanism, family)
+        await self.off_loop(rules.write_table, self.cfg, served, mechanism, family)
         self._whole_at[family] = time.monotonic()
 
-    async def _off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
-        """``fn(*args)`` in the sync's worker thread, the loop first for the GIL meanwhile."""
+    async def off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)`` in the sync's worker thread, the loop first for the GIL meanwhile.
+
+        Every pyroute2 call of an nfqueue-mode process runs here, one at a time:
+        pyroute2's modules import one another in a cycle, and a second thread
+        importing them while the first is halfway saw a half-made module
+        (``ImportError: ... partially initialized module``).
+        """
         if self._worker is None:
             self._worker = background_executor("nfqueue-sync")
         with loop_first():
@@ -716,8 +722,8 @@ class NfqueueDataplane:
             return
         local = self.local_addresses
         try:
-            n = await self._off_loop(conntrack.clean_stale_udp, wanted, local, family)
-        except OSError as exc:
+            n = await self.off_loop(conntrack.clean_stale_udp, wanted, local, family)
+        except Exception as exc:  # best effort: never the end of the rules task
             log.error("nfqueue: stale UDP conntrack entries (IPv%d) not deleted: %s", family, exc)
             return
         self._udp_serving[family] = wanted
