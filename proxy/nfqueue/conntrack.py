@@ -290,7 +290,8 @@ def still_translated(entries: Iterable[NatEntry], fronts: Frontends) -> int:
 def dnat_toward(fronts: Frontends, family: int = 4) -> int:
     """``still_translated`` over this namespace's conntrack entries of ``family``: what a NAT
     keeper (``rules.keep_nat``) waits out. Blocking (ctnetlink through pyroute2): run it
-    off the event loop."""
+    off the event loop, one pyroute2 call of the process at a time (the relay makes no
+    other; in nfqueue mode they all go through ``NfqueueDataplane.off_loop``)."""
     if not fronts.ports and not fronts.pairs:
         return 0
     from pyroute2 import Conntrack

@@ -527,8 +527,10 @@ def close_time_wait_legs(family: int, endpoints: Collection[tuple[str, int]]) ->
     whose own address is not one of this namespace's (only a transparent
     socket can have one). Nothing else is touched: a TIME_WAIT socket holds
     no data, and its connection is over. Blocking (sock_diag through
-    pyroute2): run it off the event loop. OSError when the kernel cannot
-    close sockets this way (no ``CONFIG_INET_DIAG_DESTROY``).
+    pyroute2): run it on the thread that makes the process's other pyroute2
+    calls (``NfqueueDataplane.off_loop``), since two threads importing
+    pyroute2 at once can meet a half-made module. OSError when the kernel
+    cannot close sockets this way (no ``CONFIG_INET_DIAG_DESTROY``).
     """
     if not endpoints:
         return 0
