@@ -181,6 +181,11 @@ def build_config(args: argparse.Namespace) -> Config:
     families = getattr(args, "families", None) or [4]
     paths = args.paths or (["local"] if q else list(PATHS))
     workloads = args.workloads or list(DEFAULT_WORKLOADS)
+    timed_by_wrk = [w for w in ("rr", "cps") if w in workloads]
+    if args.duration and timed_by_wrk and args.duration != int(args.duration):
+        wrk = ",".join(timed_by_wrk)
+        raise ConfigError(f"--duration {args.duration:g}: wrk runs {wrk} for whole seconds; "
+                          f"give a whole number, or drop {wrk} from --workloads")
     if 4 not in families:
         # IPv6 alone: only what runs over IPv6, and the defaults narrowed to it.
         if not args.workloads:

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #define MAX_PORTS 16
 #define MAX_MARKS 64
@@ -42,11 +43,11 @@ static size_t put_attr(char *p, uint16_t type, const void *data, uint16_t len) {
     return NLA_ALIGN(a->nla_len);
 }
 
-static size_t put_header(char *p, uint16_t type) {
+static size_t put_header(char *p, uint16_t type, uint16_t flags) {
     struct nlmsghdr *h = (struct nlmsghdr *)p;
     memset(h, 0, NLMSG_HDRLEN);
     h->nlmsg_type = (NFNL_SUBSYS_QUEUE << 8) | type;
-    h->nlmsg_flags = NLM_F_REQUEST;
+    h->nlmsg_flags = flags;
     struct nfgenmsg *g = (struct nfgenmsg *)(p + NLMSG_HDRLEN);
     g->nfgen_family = AF_UNSPEC;
     g->version = NFNETLINK_V0;
@@ -54,21 +55,46 @@ static size_t put_header(char *p, uint16_t type) {
     return NLMSG_HDRLEN + NLMSG_ALIGN(sizeof(struct nfgenmsg));
 }
 
+/* Send one config request and wait for the kernel's answer: 0, or its errno. Asked for
+ * (NLM_F_ACK), so a refused bind is an error here, not a reader that silently gets no
+ * packet. Nothing is queued to us before the bind, so the next message is the answer. */
+static int request(const char *buf, size_t n, const char *what) {
+    if (send(fd, buf, n, 0) < 0) { perror(what); exit(1); }
+    char in[512];
+    ssize_t got = recv(fd, in, sizeof in, 0);
+    if (got < (ssize_t)NLMSG_HDRLEN) { perror(what); exit(1); }
+    const struct nlmsghdr *h = (const struct nlmsghdr *)in;
+    if (h->nlmsg_type != NLMSG_ERROR) return 0;
+    return -((const struct nlmsgerr *)NLMSG_DATA(h))->error;
+}
+
+/* Bind the queue, retrying for up to 5 s while another socket still has it (EPERM: a
+ * process being replaced; EBUSY), then set the copy range and the queue's length. */
 static void configure(void) {
     char buf[128];
-    size_t n = put_header(buf, NFQNL_MSG_CONFIG);
+    size_t n = put_header(buf, NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK);
     struct nfqnl_msg_config_cmd cmd = {.command = NFQNL_CFG_CMD_BIND, .pf = htons(AF_INET)};
     n += put_attr(buf + n, NFQA_CFG_CMD, &cmd, sizeof cmd);
     ((struct nlmsghdr *)buf)->nlmsg_len = n;
-    if (send(fd, buf, n, 0) < 0) { perror("nfqfloor: bind"); exit(1); }
-    n = put_header(buf, NFQNL_MSG_CONFIG);
+    int err;
+    for (int tries = 0; (err = request(buf, n, "nfqfloor: bind")) != 0; tries++) {
+        if ((err != EPERM && err != EBUSY) || tries == 100) {
+            fprintf(stderr, "nfqfloor: bind queue %u: %s\n", queue, strerror(err));
+            exit(1);
+        }
+        usleep(50000);
+    }
+    n = put_header(buf, NFQNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK);
     struct nfqnl_msg_config_params params = {.copy_range = htonl(80),
                                               .copy_mode = NFQNL_COPY_PACKET};
     n += put_attr(buf + n, NFQA_CFG_PARAMS, &params, sizeof params);
     uint32_t maxlen = htonl(4096);
     n += put_attr(buf + n, NFQA_CFG_QUEUE_MAXLEN, &maxlen, sizeof maxlen);
     ((struct nlmsghdr *)buf)->nlmsg_len = n;
-    if (send(fd, buf, n, 0) < 0) { perror("nfqfloor: params"); exit(1); }
+    if ((err = request(buf, n, "nfqfloor: params")) != 0) {
+        fprintf(stderr, "nfqfloor: queue %u params: %s\n", queue, strerror(err));
+        exit(1);
+    }
 }
 
 /* The mark for an IPv4 packet's TCP destination port; 0: none of ours. */
@@ -150,7 +176,7 @@ int main(int argc, char **argv) {
                 }
                 if (!have_id) continue;
                 size_t start = used;
-                used += put_header(out + used, NFQNL_MSG_VERDICT);
+                used += put_header(out + used, NFQNL_MSG_VERDICT, NLM_F_REQUEST);
                 struct nfqnl_msg_verdict_hdr vh = {.verdict = htonl(mark ? NF_ACCEPT : NF_DROP),
                                                    .id = htonl(id)};
                 used += put_attr(out + used, NFQA_VERDICT_HDR, &vh, sizeof vh);

@@ -15,16 +15,20 @@ usage: python nfqpyfloor.py QUEUE MASK PORT=MARK[,MARK...]...
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import struct
 import sys
+import time
 
 NETLINK_NETFILTER = 12
 SO_RCVBUFFORCE = 33
 SOL_NETLINK, NETLINK_NO_ENOBUFS = 270, 5
 SUBSYS_QUEUE = 3 << 8
 MSG_PACKET, MSG_VERDICT, MSG_CONFIG = 0, 1, 2
-NLM_F_REQUEST = 1
+NLM_F_REQUEST, NLM_F_ACK = 1, 4
+NLMSG_ERROR = 2
 CFG_CMD, CFG_PARAMS, CFG_QUEUE_MAXLEN = 1, 2, 3
 CMD_BIND, COPY_PACKET = 1, 2
 PACKET_HDR, MARK, PAYLOAD = 1, 3, 10
@@ -39,10 +43,38 @@ ACCEPT = struct.Struct("=IHHIIBBH" "HHII" "HHI")
 DROP = struct.Struct("=IHHIIBBH" "HHII")
 
 
-def message(kind: int, queue: int, body: bytes) -> bytes:
+def message(kind: int, queue: int, body: bytes, flags: int = NLM_F_REQUEST) -> bytes:
     head = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(queue))
-    return NLMSG.pack(NLMSG.size + len(head) + len(body), SUBSYS_QUEUE | kind, NLM_F_REQUEST,
+    return NLMSG.pack(NLMSG.size + len(head) + len(body), SUBSYS_QUEUE | kind, flags,
                       0, 0) + head + body
+
+
+def request(sock: socket.socket, queue: int, body: bytes) -> int:
+    """Send one config request and wait for the kernel's answer: 0, or its errno.
+
+    Asked for (``NLM_F_ACK``), so a refused bind is an error here, not a reader that
+    silently gets no packet. Nothing is queued to us before the bind, so the next
+    message is the answer.
+    """
+    sock.send(message(MSG_CONFIG, queue, body, NLM_F_REQUEST | NLM_F_ACK))
+    answer = sock.recv(512)
+    if NLMSG.unpack_from(answer)[1] != NLMSG_ERROR:
+        return 0
+    return -struct.unpack_from("=i", answer, NLMSG.size)[0]
+
+
+def configure(sock: socket.socket, queue: int) -> None:
+    """Bind the queue, retrying for up to 5 s while another socket still has it (EPERM: a
+    process being replaced; EBUSY), then set the copy range and the queue's length."""
+    bind = attr(CFG_CMD, struct.pack("=BxH", CMD_BIND, socket.htons(socket.AF_INET)))
+    deadline = time.monotonic() + 5
+    while err := request(sock, queue, bind):
+        if err not in (errno.EPERM, errno.EBUSY) or time.monotonic() >= deadline:
+            sys.exit(f"nfqpyfloor: bind queue {queue}: {os.strerror(err)}")
+        time.sleep(0.05)
+    if err := request(sock, queue, attr(CFG_PARAMS, struct.pack("!IB", 80, COPY_PACKET))
+                      + attr(CFG_QUEUE_MAXLEN, BE32.pack(4096))):
+        sys.exit(f"nfqpyfloor: queue {queue} params: {os.strerror(err)}")
 
 
 def attr(kind: int, value: bytes) -> bytes:
@@ -73,10 +105,7 @@ def main(argv: list[str]) -> int:
     sock.bind((0, 0))
     sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)
     sock.setsockopt(SOL_NETLINK, NETLINK_NO_ENOBUFS, 1)
-    sock.send(message(MSG_CONFIG, queue, attr(CFG_CMD, struct.pack("=BxH", CMD_BIND,
-                                                                   socket.htons(socket.AF_INET)))))
-    sock.send(message(MSG_CONFIG, queue, attr(CFG_PARAMS, struct.pack("!IB", 80, COPY_PACKET))
-                      + attr(CFG_QUEUE_MAXLEN, BE32.pack(4096))))
+    configure(sock, queue)
     print(f"nfqpyfloor: queue {queue} bound, {len(ports)} port(s)", file=sys.stderr, flush=True)
     hq = socket.htons(queue)
     buf = bytearray(1 << 16)

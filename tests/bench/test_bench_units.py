@@ -96,6 +96,16 @@ def test_full_defaults_and_overrides(tmp_path: Path) -> None:
     assert cfg.out == tmp_path and cfg.control.changes == 0 and cfg.control.sizes == (10, 20)
 
 
+def test_a_fraction_of_a_second_is_refused_where_wrk_times_the_run() -> None:
+    """wrk takes whole seconds: 0.5 used to fail every rr and cps cell with wrk's usage."""
+    with pytest.raises(cli.ConfigError, match=r"--duration 0.5: wrk runs rr,cps for whole"):
+        cli.build_config(parse("--duration", "0.5"))
+    with pytest.raises(cli.ConfigError, match=r"wrk runs cps for whole seconds"):
+        cli.build_config(parse("--duration", "1.5", "--workloads", "bulk,cps"))
+    cfg = cli.build_config(parse("--duration", "0.5", "--workloads", "bulk,mem"))
+    assert cfg.settings.durations["bulk"] == 0.5
+
+
 def test_unknown_names_are_rejected() -> None:
     with pytest.raises(SystemExit):
         parse("--contenders", "envoy")
