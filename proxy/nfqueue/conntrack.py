@@ -217,12 +217,21 @@ def clean_stale_udp(wanted: Serving, local_addresses: Collection[str], family: i
 
     Only that family's entries are read: the other family's flows to the
     same nodePort go to the other family's endpoints, and would all look
-    stale here. Blocking (ctnetlink through pyroute2): run it off the event
-    loop. An entry that expired meanwhile is not an error.
+    stale here. Blocking (a ctnetlink dump, ``ctnetlink.dump``, then
+    pyroute2 for each delete): run it off the event loop, where the
+    process's pyroute2 calls run. An entry that expired meanwhile is not an
+    error.
     """
     if wanted == ({}, {}):
         return 0
-    # Imported here: only nfqueue mode with UDP services needs ctnetlink.
+    from proxy.nfqueue import ctnetlink  # here: the flags' users (``apply``) need no netlink
+
+    entries = [UdpEntry(e.src, e.sport, e.dst, e.dport, e.reply_src)
+               for e in ctnetlink.dump(family, proto=UDP) if e.proto == UDP and e.reply_src]
+    stale = _stale(entries, wanted, local_addresses)
+    if not stale:
+        return 0
+    # Imported here: only a stale flow needs deleting, and pyroute2 does that.
     from pyroute2 import Conntrack
     from pyroute2.netlink.exceptions import NetlinkError
     from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
@@ -230,14 +239,8 @@ def clean_stale_udp(wanted: Serving, local_addresses: Collection[str], family: i
     af = socket.AF_INET6 if family == 6 else socket.AF_INET
     ct = Conntrack(nfgen_family=af)
     try:
-        entries = []
-        for raw in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af, proto=UDP)):
-            o, r = raw.tuple_orig, raw.tuple_reply
-            if o.proto != UDP or o.saddr is None or r.saddr is None or o.family != af:
-                continue
-            entries.append(UdpEntry(o.saddr, o.sport, o.daddr, o.dport, r.saddr))
         deleted = 0
-        for e in _stale(entries, wanted, local_addresses):
+        for e in stale:
             try:
                 ct.entry("del", tuple_orig=NFCTAttrTuple(
                     family=af, saddr=e.src, daddr=e.dst, proto=UDP, sport=e.sport,
@@ -289,25 +292,16 @@ def still_translated(entries: Iterable[NatEntry], fronts: Frontends) -> int:
 
 def dnat_toward(fronts: Frontends, family: int = 4) -> int:
     """``still_translated`` over this namespace's conntrack entries of ``family``: what a NAT
-    keeper (``rules.keep_nat``) waits out. Blocking (ctnetlink through pyroute2): run it
-    off the event loop, one pyroute2 call of the process at a time (the relay makes no
-    other; in nfqueue mode they all go through ``NfqueueDataplane.off_loop``)."""
+    keeper (``rules.keep_nat``) waits out. The kernel sends only DNATed TCP and UDP
+    entries (``ctnetlink.dump``'s filters, where it has them). Blocking: run it off the
+    event loop."""
     if not fronts.ports and not fronts.pairs:
         return 0
-    from pyroute2 import Conntrack
-    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+    from proxy.nfqueue import ctnetlink
 
-    af = socket.AF_INET6 if family == 6 else socket.AF_INET
-    ct = Conntrack(nfgen_family=af)
-    try:
-        entries = []
-        for proto in (TCP, UDP):
-            for raw in ct.dump_entries(tuple_orig=NFCTAttrTuple(family=af, proto=proto)):
-                o = raw.tuple_orig
-                if o.proto != proto or o.daddr is None or o.family != af:
-                    continue
-                state = getattr(raw.protoinfo, "state", None) if proto == TCP else None
-                entries.append(NatEntry(proto, o.daddr, o.dport, raw.status or 0, state))
-        return still_translated(entries, fronts)
-    finally:
-        ct.close()
+    entries = [NatEntry(e.proto, e.dst, e.dport, e.status,
+                        e.tcp_state if e.proto == TCP else None)
+               for proto in (TCP, UDP)
+               for e in ctnetlink.dump(family, proto=proto, status=IPS_DST_NAT,
+                                       status_mask=IPS_DST_NAT)]
+    return still_translated(entries, fronts)
