@@ -240,8 +240,8 @@ def test_udp_is_opt_in_and_brings_socat() -> None:
     assert cfg.contenders == ["direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2",
                               "kpx-nfq"]
     assert cfg.settings.duration("udp") == 3.0  # rr's length, quick
-    cfg = cli.build_config(parse("--workloads", "rr,udp", "--duration", "1.5"))
-    assert cfg.settings.duration("udp") == 1.5 and cfg.settings.duration("rr") == 1.5
+    cfg = cli.build_config(parse("--workloads", "rr,udp", "--duration", "2"))
+    assert cfg.settings.duration("udp") == 2.0 and cfg.settings.duration("rr") == 2.0
     assert Settings(durations={"rr": 4.0, "udp": 2.0}).duration("udp") == 2.0
     s = Settings()
     assert (s.udp_flows, s.udp_size) == (50, 64)

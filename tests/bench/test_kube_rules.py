@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from bench import kube_rules as kr
+from tests.support.netns import fresh_netns
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kube_proxy"
 SVC5 = ("ns5/svc5", "NUKIZ6OKUXPJNT4C", "I77PXRDZVX7PMWMN", "HVFWP5L3", "GTK6MW7G",
@@ -205,12 +205,8 @@ def _root_with(*tools: str) -> str | None:
 
 @pytest.fixture
 def netns():  # type: ignore[no-untyped-def]
-    name = f"kpxkr-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
+    with fresh_netns("kuberules") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def _run(ns: str, argv: list[str], text: str = "") -> subprocess.CompletedProcess[str]:

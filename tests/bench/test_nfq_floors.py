@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench.contenders import FLOOR_SOURCE, PYFLOOR_SOURCE
+from tests.support.netns import fresh_netns
 
 QUEUE = 7
 
@@ -42,12 +43,8 @@ time.sleep(float(sys.argv[1]))
 def netns() -> Iterator[str]:
     if os.geteuid() != 0:
         pytest.skip("needs root (a network namespace)")
-    name = f"kbq{os.getpid() % 100000}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
+    with fresh_netns("nfqfloor") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 def floors(tmp_path: Path) -> list[list[str]]:

@@ -18,7 +18,7 @@ import pytest
 
 from proxy.nfqueue import conntrack, ctnetlink
 from proxy.nfqueue.rules import Frontends
-from tests.support.netns import in_netns, prefix
+from tests.support.netns import fresh_netns, in_netns
 
 pytestmark = pytest.mark.skipif(
     subprocess.run(["id", "-u"], capture_output=True, text=True).stdout.strip() != "0",
@@ -83,15 +83,10 @@ def fill_and_read() -> dict[str, Any]:
 
 
 def test_a_dump_reads_what_pyroute2_reads_and_the_kernel_filters() -> None:
-    ns = f"{prefix()}ct"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+    with fresh_netns("ct") as ns:
         subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=RULES, text=True,
                        check=True)
         got = in_netns(ns, fill_and_read)
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
     v4 = [tuple(e) for e in got["v4"]]
     assert v4 == got["v4 reference"]
     assert len(v4) >= FLOWS + 2  # the UDP flows, the TCP connection, the echo

@@ -5,8 +5,9 @@ Namespaces are named ``kd<pid%1000>-*``; every link is created inside them
 them all. Sockets "inside" a namespace are created by a short-lived thread
 that ``setns``-es itself, so the test process never changes namespace.
 
-Owns: ``sh``, ``prefix``, ``in_netns``, ``socket_in``, ``connect_in``,
-``Topology``/``topology()`` (client -- node -- {pod1, pod2}),
+Owns: ``sh``, ``prefix``, ``in_netns``, ``fresh_netns``, ``in_fresh_netns``,
+``socket_in``, ``connect_in``, ``Topology``/``topology()`` (client -- node --
+{pod1, pod2}),
 ``stop_process``, the per-process readings ``cpu_seconds``/``rss_bytes``
 and ``free_port`` (a port nobody listens on, in this namespace).
 """
@@ -68,15 +69,22 @@ def in_netns(ns: str, fn, *args):
     return out["v"]
 
 
-def in_fresh_netns(tag: str, fn, *args):
-    """Run ``fn(*args)`` (``in_netns``) in a new namespace with ``lo`` up, removed after."""
+@contextlib.contextmanager
+def fresh_netns(tag: str) -> Iterator[str]:
+    """A new namespace (``prefix()`` and ``tag``) with ``lo`` up, removed after, pass or fail."""
     ns = f"{prefix()}{tag}"
     subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        return in_netns(ns, fn, *args)
+        yield ns
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
+def in_fresh_netns(tag: str, fn, *args):
+    """Run ``fn(*args)`` (``in_netns``) in a new namespace with ``lo`` up, removed after."""
+    with fresh_netns(tag) as ns:
+        return in_netns(ns, fn, *args)
 
 
 def socket_in(ns: str, family: int = socket.AF_INET) -> socket.socket:
