@@ -452,7 +452,7 @@ async def close_relay_time_wait(dataplane: NfqueueDataplane, families: tuple[int
     for family in families:
         endpoints = dataplane.tcp_endpoints(family)
         try:
-            # The dataplane's worker: the one thread of this process that runs pyroute2.
+            # The dataplane's worker, beside the syncs' blocking calls, off the loop.
             closed = await dataplane.off_loop(close_time_wait_legs, family, endpoints)
         except Exception as exc:  # best effort: never the end of the leftovers task
             log.error("could not close the IPv%d TIME_WAIT sockets a userspace-mode kpx left:"

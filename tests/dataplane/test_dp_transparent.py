@@ -9,11 +9,12 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 
+from proxy.userspace import transparent
 from proxy.userspace.transparent import (
     IP_TRANSPARENT,
     RoutingConfig,
@@ -93,12 +94,24 @@ def test_only_time_wait_sockets_with_a_foreign_own_address_are_closed() -> None:
         assert close_time_wait_legs(4, set()) == 0
 
 
-class _FakeDiag:
-    """pyroute2's DiagSocket over a kernel that cannot destroy sockets: one TIME_WAIT
-    socket of a relay's (a client's address, toward an endpoint), every destroy refused."""
+def _leg(sport: int, cookie: int) -> bytes:
+    """A relay's TIME_WAIT socket as sock_diag dumps it: a client's address toward an
+    endpoint (``inet_diag_msg`` after its netlink header)."""
+    sockid = (struct.pack("!HH16s16s", sport, 8080, socket.inet_aton("198.51.100.7"),
+                          socket.inet_aton("10.244.1.11")) + struct.pack("=IQ", 0, cookie))
+    body = struct.pack("=BBxx", socket.AF_INET, 6) + sockid + b"\0" * 20
+    return struct.pack("=IHHII", 16 + len(body), 20, 2, 1, 0) + body
 
-    def __init__(self) -> None:
-        self.put_calls = 0
+
+class _FakeDiag:
+    """A NETLINK_SOCK_DIAG socket: two TIME_WAIT legs of a relay's, then each destroy
+    answered with ``answer`` (an errno; 0: done)."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+        self.sent: list[bytes] = []
+        self.replies = [_leg(40000, 1) + _leg(40001, 2)
+                        + struct.pack("=IHHIIi", 20, 3, 2, 1, 0, 0)]  # NLMSG_DONE
 
     def __enter__(self) -> _FakeDiag:
         return self
@@ -106,28 +119,43 @@ class _FakeDiag:
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def bind(self) -> None:
-        pass
+    def send(self, data: bytes) -> int:
+        self.sent.append(data)
+        if struct.unpack_from("=H", data, 4)[0] == 21 and struct.unpack_from("=H", data, 6)[0] & 4:
+            self.replies.append(struct.pack("=IHHIIi", 36, 2, 0, 0, 0, -self.answer)
+                                + data[:16])  # NLMSG_ERROR: the errno, the request's header
+        return len(data)
 
-    def get_sock_stats(self, **kw: object) -> list[dict[str, object]]:
-        leg = {"idiag_src": "198.51.100.7", "idiag_sport": 40000, "idiag_dst": "10.244.1.11",
-               "idiag_dport": 8080, "idiag_if": 0, "idiag_cookie": 1}
-        return [leg, {**leg, "idiag_sport": 40001, "idiag_cookie": 2}]
+    def recv_into(self, buf: bytearray) -> int:
+        data = self.replies.pop(0)
+        buf[:len(data)] = data
+        return len(data)
 
-    def nlm_request(self, *args: object) -> Iterator[object]:
-        from pyroute2.netlink.exceptions import NetlinkError
-        raise NetlinkError(errno.EOPNOTSUPP)
+    def recv(self, size: int) -> bytes:
+        return self.replies.pop(0)
 
-    def put(self, *args: object) -> None:
-        self.put_calls += 1
+    def destroys(self) -> list[bytes]:
+        """The socket ids asked to be destroyed, in order."""
+        return [d[16 + 8:] for d in self.sent if struct.unpack_from("=H", d, 4)[0] == 21]
+
+
+def test_a_relays_time_wait_legs_are_destroyed_by_the_ids_the_dump_gave(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeDiag(0)
+    monkeypatch.setattr(transparent, "_diag_socket", lambda: fake)
+    assert close_time_wait_legs(4, {("10.244.1.11", 8080)}) == 2
+    assert fake.destroys() == [_leg(40000, 1)[20:68], _leg(40001, 2)[20:68]]
+    other = _FakeDiag(0)
+    monkeypatch.setattr(transparent, "_diag_socket", lambda: other)
+    assert close_time_wait_legs(4, {("10.244.1.12", 8080)}) == 0, "another endpoint's legs stay"
+    assert other.destroys() == []
 
 
 def test_a_kernel_that_cannot_close_time_wait_sockets_is_an_error_not_a_count(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import pyroute2.netlink.diag
-    fake = _FakeDiag()
-    monkeypatch.setattr(pyroute2.netlink.diag, "DiagSocket", lambda: fake)
+    fake = _FakeDiag(errno.EOPNOTSUPP)
+    monkeypatch.setattr(transparent, "_diag_socket", lambda: fake)
     with pytest.raises(OSError, match="sock_diag destroy") as raised:
         close_time_wait_legs(4, {("10.244.1.11", 8080)})
     assert raised.value.errno == errno.EOPNOTSUPP
-    assert fake.put_calls == 0, "nothing more is asked of a kernel that refused the first"
+    assert len(fake.destroys()) == 1, "nothing more is asked of a kernel that refused the first"
