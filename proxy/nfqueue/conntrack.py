@@ -37,11 +37,9 @@ namespace cannot take (logged instead).
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import math
 import os
-import socket
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,10 +215,9 @@ def clean_stale_udp(wanted: Serving, local_addresses: Collection[str], family: i
 
     Only that family's entries are read: the other family's flows to the
     same nodePort go to the other family's endpoints, and would all look
-    stale here. Blocking (a ctnetlink dump, ``ctnetlink.dump``, then
-    pyroute2 for each delete): run it off the event loop, where the
-    process's pyroute2 calls run. An entry that expired meanwhile is not an
-    error.
+    stale here. Blocking (``ctnetlink``: a dump, then a delete per stale
+    entry): run it off the event loop. An entry that expired meanwhile is
+    not an error.
     """
     if wanted == ({}, {}):
         return 0
@@ -231,28 +228,7 @@ def clean_stale_udp(wanted: Serving, local_addresses: Collection[str], family: i
     stale = _stale(entries, wanted, local_addresses)
     if not stale:
         return 0
-    # Imported here: only a stale flow needs deleting, and pyroute2 does that.
-    from pyroute2 import Conntrack
-    from pyroute2.netlink.exceptions import NetlinkError
-    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
-
-    af = socket.AF_INET6 if family == 6 else socket.AF_INET
-    ct = Conntrack(nfgen_family=af)
-    try:
-        deleted = 0
-        for e in stale:
-            try:
-                ct.entry("del", tuple_orig=NFCTAttrTuple(
-                    family=af, saddr=e.src, daddr=e.dst, proto=UDP, sport=e.sport,
-                    dport=e.dport))
-            except NetlinkError as exc:
-                if exc.code != errno.ENOENT:
-                    raise OSError(exc.code, f"conntrack delete {e}: {exc}") from exc
-                continue
-            deleted += 1
-        return deleted
-    finally:
-        ct.close()
+    return ctnetlink.delete(family, [(UDP, e.src, e.sport, e.dst, e.dport) for e in stale])
 
 
 IPS_DST_NAT = 1 << 5

@@ -7,9 +7,9 @@ reads every answer. An entry comes back as a ``CtEntry``: its protocol, both
 ends of its original direction, the source of its reply direction (where a
 DNATed connection went), its status bits and its TCP state.
 
-Never: write or delete an entry (pyroute2 deletes the few that
-``conntrack.clean_stale_udp`` names), or run on the event loop (a dump of a
-busy node's table takes milliseconds to read).
+Also ``delete``: the few entries ``conntrack.clean_stale_udp`` names, by their
+original direction. Never: write an entry, or run on the event loop (a dump
+of a busy node's table takes milliseconds to read).
 
 Why not pyroute2's ``Conntrack.dump_entries``, which kpx used at first: it
 decodes every attribute of every entry into objects, through an event loop
@@ -36,10 +36,11 @@ callers check every entry they are given anyway.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from proxy.nfqueue.netlink import (
@@ -55,6 +56,8 @@ from proxy.nfqueue.netlink import (
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_NEW = 0
 IPCTNL_MSG_CT_GET = 1
+IPCTNL_MSG_CT_DELETE = 2
+NLM_F_ACK = 0x4
 NLM_F_DUMP = 0x300
 NLA_F_NESTED = 0x8000
 
@@ -125,6 +128,25 @@ def dump_request(family: int, proto: int | None = None, status: int = 0,
     return (_NLMSGHDR.pack(_HDR_LEN + len(body), (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET,
                            NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
             + _NFGENMSG.pack(family, 0, 0) + body)
+
+
+def delete_request(family: int, proto: int, src: str, sport: int, dst: str, dport: int,
+                   seq: int = 1) -> bytes:
+    """Delete the entry whose original direction is ``src:sport -> dst:dport`` over
+    ``proto`` (acknowledged: 0, or ENOENT when it expired meanwhile)."""
+    v6 = family == socket.AF_INET6
+    orig = _nested(CTA_TUPLE_ORIG, _nested(
+        CTA_TUPLE_IP,
+        attr(CTA_IP_V6_SRC if v6 else CTA_IP_V4_SRC, socket.inet_pton(family, src))
+        + attr(CTA_IP_V6_DST if v6 else CTA_IP_V4_DST, socket.inet_pton(family, dst)),
+    ) + _nested(
+        CTA_TUPLE_PROTO,
+        attr(CTA_PROTO_NUM, bytes([proto])) + attr(CTA_PROTO_SRC_PORT, _BE16.pack(sport))
+        + attr(CTA_PROTO_DST_PORT, _BE16.pack(dport)),
+    ))
+    return (_NLMSGHDR.pack(_HDR_LEN + len(orig), (NFNL_SUBSYS_CTNETLINK << 8)
+                           | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, seq, 0)
+            + _NFGENMSG.pack(family, 0, 0) + orig)
 
 
 def _attrs(buf: bytes | memoryview, start: int, end: int) -> Iterator[tuple[int, int, int]]:
@@ -254,6 +276,38 @@ def parse(buf: bytes | memoryview, n: int, entries: list[CtEntry]) -> DumpEnd:
     return DumpEnd(False, 0)
 
 
+def _socket(timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                         NETLINK_NETFILTER)
+    sock.bind((0, 0))
+    sock.settimeout(timeout)
+    return sock
+
+
+def delete(family: int, flows: Iterable[tuple[int, str, int, str, int]],
+           timeout: float = 10.0) -> int:
+    """Delete each ``(proto, src, sport, dst, dport)`` entry of ``family`` (4 or 6), by its
+    original direction; returns how many were deleted (one that expired meanwhile is not).
+
+    Blocking: run it off the event loop. Raises ``OSError`` for any refusal but ENOENT.
+    """
+    af = socket.AF_INET6 if family == 6 else socket.AF_INET
+    deleted = 0
+    with _socket(timeout) as sock:
+        buf = bytearray(4096)
+        for seq, (proto, src, sport, dst, dport) in enumerate(flows, 1):
+            sock.send(delete_request(af, proto, src, sport, dst, dport, seq))
+            n = sock.recv_into(buf)
+            end = parse(buf, n, [])
+            if end.errno == errno.ENOENT:
+                continue
+            if end.errno:
+                raise OSError(end.errno, f"conntrack delete {src}:{sport} -> {dst}:{dport}:"
+                                         f" {os.strerror(end.errno)}")
+            deleted += 1
+    return deleted
+
+
 def dump(family: int, proto: int | None = None, status: int = 0, status_mask: int = 0,
          timeout: float = 10.0) -> list[CtEntry]:
     """This namespace's conntrack entries of ``family`` (4 or 6), filtered as
@@ -263,11 +317,8 @@ def dump(family: int, proto: int | None = None, status: int = 0, status_mask: in
     (EPERM without CAP_NET_ADMIN) or one that stops answering for ``timeout``.
     """
     af = socket.AF_INET6 if family == 6 else socket.AF_INET
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
-                         NETLINK_NETFILTER)
+    sock = _socket(timeout)
     try:
-        sock.bind((0, 0))
-        sock.settimeout(timeout)
         with contextlib.suppress(OSError):  # the default buffer only means more recvs
             sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)
         sock.send(dump_request(af, proto, status, status_mask))

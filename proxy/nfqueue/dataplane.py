@@ -668,10 +668,10 @@ class NfqueueDataplane:
     async def off_loop(self, fn: Callable[..., _T], *args: object) -> _T:
         """``fn(*args)`` in the sync's worker thread, the loop first for the GIL meanwhile.
 
-        Every pyroute2 call of an nfqueue-mode process runs here, one at a time:
-        pyroute2's modules import one another in a cycle, and a second thread
-        importing them while the first is halfway saw a half-made module
-        (``ImportError: ... partially initialized module``).
+        The syncs' blocking calls (``nft``, conntrack, sock_diag) run here, one
+        at a time and in order. (When pyroute2 still read conntrack, two threads
+        importing it at once met a half-made module: ``ImportError: ...
+        partially initialized module``.)
         """
         if self._worker is None:
             self._worker = background_executor("nfqueue-sync")

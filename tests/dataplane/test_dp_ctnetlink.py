@@ -4,8 +4,9 @@ In a namespace of its own: a nat rule DNATs ``127.0.0.1:30080`` to a local
 listener on 8080 (and turns conntrack on), then UDP flows over IPv4 and IPv6,
 a DNATed TCP connection and an ICMP echo fill the table. The dump must read
 every entry as pyroute2 decodes it, and the kernel's filters (protocol,
-status) must leave out what they name. ``conntrack.dnat_toward``, the NAT
-keeper's look, counts the DNATed connection while it is open and not after.
+status) must leave out what they name; ``delete`` removes the entry it names
+(and counts none for one that is not there). ``conntrack.dnat_toward``, the
+NAT keeper's look, counts the DNATed connection while it is open and not after.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def fill_and_read() -> dict[str, Any]:
     out["udp"] = ctnetlink.dump(4, proto=conntrack.UDP)
     out["dnat"] = ctnetlink.dump(4, status=conntrack.IPS_DST_NAT,
                                  status_mask=conntrack.IPS_DST_NAT)
+    gone = out["udp"][0]
+    out["deleted"] = ctnetlink.delete(4, [
+        (conntrack.UDP, gone.src, gone.sport, gone.dst, gone.dport),
+        (conntrack.UDP, "127.0.0.1", 9, "127.0.0.1", 9)])  # none such: ENOENT, not counted
+    out["udp after"] = ctnetlink.dump(4, proto=conntrack.UDP)
+    out["gone"] = gone
     out["open"] = conntrack.dnat_toward(fronts, 4)
     client.close()  # the client closes first: its side goes to TIME_WAIT
     server.recv(1)
@@ -99,3 +106,5 @@ def test_a_dump_reads_what_pyroute2_reads_and_the_kernel_filters() -> None:
         conntrack.TCP, "127.0.0.1", 30080, "127.0.0.1")
     assert dnat.status & conntrack.IPS_DST_NAT and dnat.tcp_state == 3  # ESTABLISHED
     assert (got["open"], got["closed"]) == (1, 0)
+    assert got["deleted"] == 1
+    assert len(got["udp after"]) == FLOWS - 1 and got["gone"] not in got["udp after"]
