@@ -43,22 +43,21 @@ import struct
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from proxy.nfqueue.netlink import (
-    NETLINK_NETFILTER,
-    NLA_TYPE_MASK,
+from proxy.nfqueue.netlink import NETLINK_NETFILTER, NLA_TYPE_MASK, SO_RCVBUFFORCE, attr
+from proxy.util.nlmsg import (
+    NLM_F_ACK,
+    NLM_F_DUMP,
     NLM_F_REQUEST,
     NLMSG_DONE,
     NLMSG_ERROR,
-    SO_RCVBUFFORCE,
-    attr,
+    NLMSGERR,
+    NLMSGHDR,
 )
 
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_NEW = 0
 IPCTNL_MSG_CT_GET = 1
 IPCTNL_MSG_CT_DELETE = 2
-NLM_F_ACK = 0x4
-NLM_F_DUMP = 0x300
 NLA_F_NESTED = 0x8000
 
 # ctattr_type
@@ -80,11 +79,9 @@ CTA_PROTOINFO_TCP_STATE = 1
 CTA_FILTER_ORIG_FLAGS = 1
 CTA_FILTER_FLAG_PROTO_NUM = 1 << 3
 
-_NLMSGHDR = struct.Struct("=IHHII")
 _NFGENMSG = struct.Struct("=BBH")
 _NLATTR = struct.Struct("=HH")
-_NLMSGERR = struct.Struct("=i")
-_HDR_LEN = _NLMSGHDR.size + _NFGENMSG.size
+_HDR_LEN = NLMSGHDR.size + _NFGENMSG.size
 _BE16 = struct.Struct("!H")
 _BE32 = struct.Struct("!I")
 _ENTRY_TYPE = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW
@@ -125,7 +122,7 @@ def dump_request(family: int, proto: int | None = None, status: int = 0,
     if status_mask:
         body += attr(CTA_STATUS, _BE32.pack(status)) + attr(CTA_STATUS_MASK,
                                                             _BE32.pack(status_mask))
-    return (_NLMSGHDR.pack(_HDR_LEN + len(body), (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET,
+    return (NLMSGHDR.pack(_HDR_LEN + len(body), (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET,
                            NLM_F_REQUEST | NLM_F_DUMP, seq, 0)
             + _NFGENMSG.pack(family, 0, 0) + body)
 
@@ -144,7 +141,7 @@ def delete_request(family: int, proto: int, src: str, sport: int, dst: str, dpor
         attr(CTA_PROTO_NUM, bytes([proto])) + attr(CTA_PROTO_SRC_PORT, _BE16.pack(sport))
         + attr(CTA_PROTO_DST_PORT, _BE16.pack(dport)),
     ))
-    return (_NLMSGHDR.pack(_HDR_LEN + len(orig), (NFNL_SUBSYS_CTNETLINK << 8)
+    return (NLMSGHDR.pack(_HDR_LEN + len(orig), (NFNL_SUBSYS_CTNETLINK << 8)
                            | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, seq, 0)
             + _NFGENMSG.pack(family, 0, 0) + orig)
 
@@ -235,20 +232,20 @@ def parse(buf: bytes | memoryview, n: int, entries: list[CtEntry]) -> DumpEnd:
     An entry whose family is not an IP one, or that lacks its original
     tuple, is skipped.
     """
-    unpack, attr_header = _NLMSGHDR.unpack_from, _NLATTR.unpack_from
+    unpack, attr_header = NLMSGHDR.unpack_from, _NLATTR.unpack_from
     off = 0
-    while off + _NLMSGHDR.size <= n:
+    while off + NLMSGHDR.size <= n:
         length, kind = unpack(buf, off)[:2]
-        if length < _NLMSGHDR.size or off + length > n:
+        if length < NLMSGHDR.size or off + length > n:
             break
         if kind == NLMSG_DONE:
             return DumpEnd(True, 0)
         if kind == NLMSG_ERROR:
-            code = -_NLMSGERR.unpack_from(buf, off + _NLMSGHDR.size)[0]
+            code = -NLMSGERR.unpack_from(buf, off + NLMSGHDR.size)[0]
             if code:
                 return DumpEnd(True, code)
         elif kind == _ENTRY_TYPE and length >= _HDR_LEN:
-            family = buf[off + _NLMSGHDR.size]
+            family = buf[off + NLMSGHDR.size]
             if family in (socket.AF_INET, socket.AF_INET6):
                 orig = reply = None
                 status = 0

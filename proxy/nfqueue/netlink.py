@@ -53,6 +53,13 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from proxy.util.lograte import RateLimitedLog
+from proxy.util.nlmsg import (
+    NLM_F_ACK,
+    NLM_F_REQUEST,
+    NLMSG_ERROR,
+    NLMSGERR,
+    NLMSGHDR,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +71,7 @@ NFQNL_MSG_PACKET = 0
 NFQNL_MSG_VERDICT = 1
 NFQNL_MSG_CONFIG = 2
 
-# netlink (linux/netlink.h).
-NLMSG_NOOP = 1
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
-NLMSG_OVERRUN = 4
-NLM_F_REQUEST = 0x1
-NLM_F_ACK = 0x4
+# netlink (linux/netlink.h): the framing is proxy.util.nlmsg's; the rest is ours.
 NLA_TYPE_MASK = 0x3FFF
 """An attribute's type without ``NLA_F_NESTED`` / ``NLA_F_NET_BYTEORDER``."""
 SOL_NETLINK = 270
@@ -103,10 +104,10 @@ NFQA_PAYLOAD = 10
 NF_DROP = 0
 NF_ACCEPT = 1
 
-_NLMSGHDR = struct.Struct("=IHHII")
+_NLMSGHDR = NLMSGHDR
 _NFGENMSG = struct.Struct("=BBH")  # res_id is packed big-endian by hand (``_be16``)
 _NLATTR = struct.Struct("=HH")
-_NLMSGERR = struct.Struct("=i")
+_NLMSGERR = NLMSGERR
 _PACKET_HDR = struct.Struct("!IHB")  # packet_id, hw_protocol, hook (7 bytes, packed)
 _BE32 = struct.Struct("!I")
 _HDR_LEN = _NLMSGHDR.size + _NFGENMSG.size  # 20: where the attributes start

@@ -60,7 +60,15 @@ from typing import NamedTuple, TypeVar, cast
 from healthz.proxy_health import ProxyHealth
 from proxy import metrics
 from proxy.lifecycle.ownership import BASE_NAME, live_pids, routing_lock, routing_lock_async
-from proxy.util import spawn
+from proxy.util import nlmsg, spawn
+from proxy.util.nlmsg import (
+    NLM_F_ACK,
+    NLM_F_DUMP,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    NLMSGHDR,
+)
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +521,6 @@ NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 SOCK_DESTROY = 21
 TCP_TIME_WAIT = 6
-_NLMSGHDR = struct.Struct("=IHHII")
 _DIAG_REQ = struct.Struct("=BBBxI48s")
 """``inet_diag_req_v2``: family, protocol, extensions, states, and the socket's id."""
 _DIAG_MSG = struct.Struct("=BBxx48s")
@@ -593,38 +600,36 @@ def _diag_socket() -> socket.socket:
 
 def _request(sock: socket.socket, kind: int, body: bytes, ack: bool) -> int:
     """Send one request; with ``ack``, wait for the kernel's answer: 0, or its errno."""
-    flags = 0x1 | (0x4 if ack else 0)  # NLM_F_REQUEST, NLM_F_ACK
-    sock.send(_NLMSGHDR.pack(_NLMSGHDR.size + len(body), kind, flags, 0, 0) + body)
+    sock.send(nlmsg.header(len(body), kind, NLM_F_REQUEST | (NLM_F_ACK if ack else 0)) + body)
     if not ack:
         return 0
     answer = sock.recv(4096)
-    if _NLMSGHDR.unpack_from(answer)[1] != 2:  # not NLMSG_ERROR
+    if NLMSGHDR.unpack_from(answer)[1] != NLMSG_ERROR:
         return 0
-    return -struct.unpack_from("=i", answer, _NLMSGHDR.size)[0]
+    return nlmsg.error_code(answer)
 
 
 def _time_wait_legs(sock: socket.socket, af: int) -> list[bytes]:
     """The ids (``inet_diag_sockid``, as the kernel gave them) of this namespace's TCP
     sockets of ``af`` in TIME_WAIT: the kernel filters by state, this reads the rest."""
     dump = _DIAG_REQ.pack(af, socket.IPPROTO_TCP, 0, 1 << TCP_TIME_WAIT, b"\0" * 48)
-    sock.send(_NLMSGHDR.pack(_NLMSGHDR.size + len(dump), SOCK_DIAG_BY_FAMILY, 0x301, 1, 0)
-              + dump)  # NLM_F_REQUEST | NLM_F_DUMP
+    sock.send(nlmsg.header(len(dump), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1) + dump)
     buf = bytearray(1 << 17)
     ids: list[bytes] = []
     while True:
         n = sock.recv_into(buf)
         off = 0
-        while off + _NLMSGHDR.size <= n:
-            length, mtype = _NLMSGHDR.unpack_from(buf, off)[:2]
-            if length < _NLMSGHDR.size or off + length > n:
+        while off + NLMSGHDR.size <= n:
+            length, mtype = NLMSGHDR.unpack_from(buf, off)[:2]
+            if length < NLMSGHDR.size or off + length > n:
                 break
-            if mtype == 3:  # NLMSG_DONE
+            if mtype == NLMSG_DONE:
                 return ids
-            if mtype == 2:  # NLMSG_ERROR
-                code = -struct.unpack_from("=i", buf, off + _NLMSGHDR.size)[0]
+            if mtype == NLMSG_ERROR:
+                code = nlmsg.error_code(buf, off)
                 raise OSError(code, f"sock_diag dump: {os.strerror(code)}")
-            if mtype == SOCK_DIAG_BY_FAMILY and length >= _NLMSGHDR.size + _DIAG_MSG.size:
-                fam, state, sockid = _DIAG_MSG.unpack_from(buf, off + _NLMSGHDR.size)
+            if mtype == SOCK_DIAG_BY_FAMILY and length >= NLMSGHDR.size + _DIAG_MSG.size:
+                fam, state, sockid = _DIAG_MSG.unpack_from(buf, off + NLMSGHDR.size)
                 if fam == af and state == TCP_TIME_WAIT:
                     ids.append(sockid)
             off += (length + 3) & ~3

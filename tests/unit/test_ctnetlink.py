@@ -12,7 +12,8 @@ import socket
 import struct
 
 from proxy.nfqueue import ctnetlink as ct
-from proxy.nfqueue.netlink import NLMSG_DONE, NLMSG_ERROR, attr
+from proxy.nfqueue.netlink import attr
+from proxy.util.nlmsg import NLMSG_DONE, NLMSG_ERROR
 
 ENTRY = (ct.NFNL_SUBSYS_CTNETLINK << 8) | ct.IPCTNL_MSG_CT_NEW
 
