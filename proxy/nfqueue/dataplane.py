@@ -91,6 +91,7 @@ from proxy.core.sync import SyncResult, empty_result
 from proxy.defaults import DEFAULT_BATCH_WAIT
 from proxy.lifecycle.ownership import live_pids
 from proxy.nfqueue import conntrack, netlink, rules
+from proxy.nfqueue.netlink import NF_ACCEPT, Verdict
 from proxy.util import spawn
 from proxy.util.background import background_executor, loop_first
 from proxy.util.lograte import RateLimitedLog
@@ -166,6 +167,8 @@ class _Wanted(NamedTuple):
     v6: _Plans
 
 
+_new = tuple.__new__
+"""A NamedTuple record made in C (``netlink._new``): the verdict of every forwarded SYN."""
 _NONE: Mapping[tuple[str, int], tuple[int, int]] = {}
 
 _UDP = "udp"
@@ -784,46 +787,42 @@ class NfqueueDataplane:
         the balancers are this thread's alone. It sleeps in ``poll`` on the
         queue and the wake pipe, with no timeout while no count waits to be
         flushed: an idle node costs nothing.
+
+        Two paces, as a NIC's interrupt moderation: after a wake-up that found
+        one SYN, the next one's verdict is sent before anything else is read
+        (an idle node's client waits for nothing but its own SYN); after one
+        that found several, the node is busy, and SYNs gather for
+        ``batch_wait`` between reads (one wake-up and one send for many).
         """
         poller = select.poll()
         poller.register(sock.fileno(), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         flushed = time.monotonic()
-        tables: Tables | None = None
+        tables = self._fresh(None)
+        lone = True
         while True:
             poller.poll(METRICS_FLUSH_INTERVAL * 1000 if self._counts else None)
             # Woken to stop: what has come is still answered (one last batch). A
             # successor that took the socket over reads whatever comes after; one
             # that binds anew sees the queue free as soon as this one closes it.
             last = self._stop_reading
-            try:
-                packets = sock.read_batch()
-            except OSError as exc:
-                if last:
-                    break
-                self._warn.warning(("read", exc.errno), "nfqueue %d: read failed: %s; retrying",
-                                   self.cfg.queue, exc)
-                time.sleep(0.1)
-                continue
-            if self._tables is not tables:
-                tables = self._tables
-                live = tables.v4.live | tables.v6.live
-                self._balancers = {k: b for k, b in self._balancers.items() if k in live}
-            if packets:
-                try:
-                    self._answer(sock, packets, tables)
-                except Exception:
-                    # A bug must not end the thread: every later SYN would wait in
-                    # the kernel unanswered. This batch's packets are dropped (their
-                    # clients retransmit) and the next batch is decided afresh.
-                    self._warn.warning(("answer",), "nfqueue %d: a batch could not be decided;"
-                                       " its packets are dropped", self.cfg.queue,
-                                       exc_info=True)
-                    with contextlib.suppress(OSError):
-                        sock.send_verdicts([netlink.drop(p.packet_id) for p in packets])
+            tables = self._fresh(tables)
+            if lone and not last:
+                # An idle node's SYN is answered before anything else is asked
+                # of the kernel: the read that finds the queue empty (a failed
+                # recv, an exception) comes after its verdict, not before.
+                got = self._take(sock, tables, 1)
+                if got == 1:
+                    got += self._take(sock, tables, netlink.MAX_READS) or 0
+            else:
+                got = self._take(sock, tables, netlink.MAX_READS)
             if last:
                 break
-            if len(packets) > 1 and self.batch_wait:
+            if got is None:
+                time.sleep(0.1)  # a read failed (logged): the socket is asked again soon
+                continue
+            lone = got <= 1
+            if not lone and self.batch_wait:
                 # Interrupt moderation, as a NIC's adaptive rx-usecs: SYNs that
                 # came together mean a busy node, where a wake-up per SYN (two
                 # context switches, a poll, a recv that fails) costs more than
@@ -835,6 +834,38 @@ class NfqueueDataplane:
                 flushed = now
                 self.flush_metrics()
         self.flush_metrics()
+
+    def _fresh(self, tables: Tables | None) -> Tables:
+        """The tables in force, and balancers for only their plans once they were swapped."""
+        if self._tables is not tables:
+            tables = self._tables
+            live = tables.v4.live | tables.v6.live
+            self._balancers = {k: b for k, b in self._balancers.items() if k in live}
+        return tables
+
+    def _take(self, sock: netlink.QueueSocket, tables: Tables, max_reads: int) -> int | None:
+        """Read up to ``max_reads`` datagrams and answer every packet in them: how many
+        there were, or None when the read failed (logged)."""
+        try:
+            packets = sock.read_batch(max_reads)
+        except OSError as exc:
+            if not self._stop_reading:
+                self._warn.warning(("read", exc.errno), "nfqueue %d: read failed: %s;"
+                                   " retrying", self.cfg.queue, exc)
+            return None
+        if packets:
+            try:
+                self._answer(sock, packets, tables)
+            except Exception:
+                # A bug must not end the thread: every later SYN would wait in
+                # the kernel unanswered. This batch's packets are dropped (their
+                # clients retransmit) and the next batch is decided afresh.
+                self._warn.warning(("answer",), "nfqueue %d: a batch could not be decided;"
+                                   " its packets are dropped", self.cfg.queue,
+                                   exc_info=True)
+                with contextlib.suppress(OSError):
+                    sock.send_verdicts([netlink.drop(p.packet_id) for p in packets])
+        return len(packets)
 
     def _answer(self, sock: netlink.QueueSocket, packets: list[netlink.Packet],
                 tables: Tables) -> None:
@@ -852,54 +883,54 @@ class NfqueueDataplane:
         keep = ~lay.mask & 0xFFFFFFFF  # the packet's own bits, kept by every verdict
         local, cidrs = self.local_addresses, self.cluster_cidrs
         now = time.monotonic()
-        verdicts: list[netlink.Verdict] = []
-        counts = self.decided
-        per_port = self._counts
-        for p in packets:
+        verdicts: list[Verdict] = []
+        counts, per_port, balancers = self.decided, self._counts, self._balancers
+        # Names bound once per batch: each lookup skipped is a few cold cache lines.
+        flow, append = netlink.flow, verdicts.append
+        for packet_id, packet_mark, payload, _hook in packets:
             try:
-                f = netlink.flow(p.payload)
+                src, dst, proto, sport, dport, family = flow(payload)
             except ValueError:
-                verdicts.append(netlink.drop(p.packet_id))
+                append(netlink.drop(packet_id))
                 counts["unknown"] += 1
                 continue
-            by = tables.v6 if f.family == 6 else tables.v4
-            plan = by.plan(f.proto, f.dst, f.dport)
+            by = tables.v6 if family == 6 else tables.v4
+            plan = by.plan(proto, dst, dport)
             if plan is None and (pending := self._pending) is not None:
-                by = pending.v6 if f.family == 6 else pending.v4
-                plan = by.plan(f.proto, f.dst, f.dport)
+                by = pending.v6 if family == 6 else pending.v4
+                plan = by.plan(proto, dst, dport)
             if plan is None:
                 # Served by neither table (the port went since it was queued).
-                verdicts.append(netlink.accept(p.packet_id, lay.verdict_mark(p.mark, lay.reject)))
+                append(netlink.accept(packet_id, (packet_mark & keep) | lay.reject))
                 counts["unknown"] += 1
                 continue
-            bkey = (f.family, f.proto, plan.key)
-            balancer = self._balancers.get(bkey)
+            bkey = (family, proto, plan.key)
+            balancer = balancers.get(bkey)
             if balancer is None:
-                balancer = self._balancers[bkey] = Balancer()
-            udp = f.proto == UDP
-            d = decide(plan, f.src, local, balancer, now, (), cidrs)
+                balancer = balancers[bkey] = Balancer()
+            udp = proto == UDP
+            d = decide(plan, src, local, balancer, now, (), cidrs)
             if type(d) is Forward:
-                both = by.marks.get((f.proto, plan.table_key), _NONE).get(d.endpoint.addr)
+                both = by.marks.get((proto, plan.table_key), _NONE).get(d.endpoint.addr)
                 if both is not None:
                     mark = both[1] if d.snat else both[0]
-                    verdicts.append(netlink.Verdict(p.packet_id, netlink.NF_ACCEPT,
-                                                    (p.mark & keep) | mark))
+                    append(_new(Verdict, (packet_id, NF_ACCEPT, (packet_mark & keep) | mark)))
                     counts["forward"] += 1
                     k = (_UDP, "forward") if udp else (plan.key, "snat" if d.snat else "direct")
                     per_port[k] = per_port.get(k, 0) + 1
                     continue
                 d = Drop(f"{d.endpoint} has no target index yet")
             if isinstance(d, Drop):
-                verdicts.append(netlink.drop(p.packet_id))
+                append(netlink.drop(packet_id))
                 counts["drop"] += 1
                 k = (_UDP if udp else plan.key, "drop")
             else:
-                verdicts.append(netlink.accept(p.packet_id, lay.verdict_mark(p.mark, lay.reject)))
+                append(netlink.accept(packet_id, (packet_mark & keep) | lay.reject))
                 counts["reject"] += 1
                 k = (_UDP if udp else plan.key, "reject")
             per_port[k] = per_port.get(k, 0) + 1
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s:%d -> %s:%d: %s", f.src, f.sport, f.dst, f.dport, d.reason)
+                log.debug("%s:%d -> %s:%d: %s", src, sport, dst, dport, d.reason)
         sock.send_verdicts(verdicts)
 
     def flush_metrics(self) -> None:

@@ -22,7 +22,7 @@ Why no libnetfilter_queue (or ctypes to it): the protocol is five message
 shapes of fixed little structs, and speaking it directly costs nothing per
 packet that the library would save. CPython's ``socket`` has ``AF_NETLINK``;
 everything else is ``struct``, and the per-SYN work is a ``recv_into``, a
-few ``unpack_from`` and one ``pack`` (``verdict_message``).
+few ``unpack_from`` and one ``pack`` (``verdict_batch``).
 
 The wire format, for a reader of the code below:
 
@@ -119,6 +119,11 @@ _CONFIG_TYPE = (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_CONFIG
 # One verdict, as a struct: header, nfgenmsg, VERDICT_HDR attribute (12), MARK attribute (8).
 _VERDICT_MARK = struct.Struct("=IHHIIBBHHHIIHHI")
 _VERDICT_NOMARK = struct.Struct("=IHHIIBBHHHII")
+
+
+_new = tuple.__new__
+"""Makes a NamedTuple record in C, without its Python ``__new__``: the per-SYN path's."""
+_ntoa = socket.inet_ntoa
 
 
 def _align(n: int) -> int:
@@ -227,30 +232,26 @@ def drop(packet_id: int) -> Verdict:
     return Verdict(packet_id, NF_DROP)
 
 
-def verdict_message(queue: int, v: Verdict) -> bytes:
-    """One VERDICT message; its ``seq`` is the packet id, so an error ack names the packet.
-
-    One ``struct.pack`` per verdict: this runs once per new connection.
-    """
-    qid = _be16(queue)
-    pid, verdict, mark = v
-    if mark is None:
-        return _VERDICT_NOMARK.pack(
-            32, _VERDICT_TYPE, NLM_F_REQUEST, pid, 0, 0, 0, qid,
-            12, NFQA_VERDICT_HDR, socket.htonl(verdict), socket.htonl(pid))
-    return _VERDICT_MARK.pack(
-        40, _VERDICT_TYPE, NLM_F_REQUEST, pid, 0, 0, 0, qid,
-        12, NFQA_VERDICT_HDR, socket.htonl(verdict), socket.htonl(pid),
-        8, NFQA_MARK, socket.htonl(mark & 0xFFFFFFFF))
-
-
 def verdict_batch(queue: int, verdicts: Iterable[Verdict]) -> bytes:
     """Many verdicts as one datagram: the messages back to back (each is a multiple of 4).
 
-    Not ``NFQNL_MSG_VERDICT_BATCH``: that one gives *every* packet up to an
-    id the same verdict and mark, and each SYN here has a mark of its own.
+    Each is one VERDICT message, made by one ``struct.pack``; its ``seq`` is
+    the packet id, so an error ack names the packet. Not
+    ``NFQNL_MSG_VERDICT_BATCH``: that one gives *every* packet up to an id the
+    same verdict and mark, and each SYN here has a mark of its own.
     """
-    return b"".join([verdict_message(queue, v) for v in verdicts])
+    qid = _be16(queue)
+    htonl, with_mark, without = socket.htonl, _VERDICT_MARK.pack, _VERDICT_NOMARK.pack
+    out = []
+    for pid, verdict, mark in verdicts:
+        if mark is None:
+            out.append(without(32, _VERDICT_TYPE, NLM_F_REQUEST, pid, 0, 0, 0, qid,
+                               12, NFQA_VERDICT_HDR, htonl(verdict), htonl(pid)))
+        else:
+            out.append(with_mark(40, _VERDICT_TYPE, NLM_F_REQUEST, pid, 0, 0, 0, qid,
+                                 12, NFQA_VERDICT_HDR, htonl(verdict), htonl(pid),
+                                 8, NFQA_MARK, htonl(mark & 0xFFFFFFFF)))
+    return b"".join(out)
 
 
 # -- parsing what the kernel sends ------------------------------------------------------
@@ -288,38 +289,45 @@ def parse(buf: bytes | bytearray | memoryview, n: int | None = None) -> Received
     subsystems) are skipped. A message or attribute that claims more bytes
     than there are, or fewer than its own header, is a ValueError naming the
     offset: the kernel never sends one, so it means the buffer was cut.
+
+    This runs once per new connection, on a reader just woken, where every
+    step costs several times what it costs in a loop (``docs/PERFORMANCE.md``):
+    records are made by ``tuple.__new__``, not the NamedTuple's Python
+    constructor.
     """
     view = memoryview(buf)
     end = len(view) if n is None else n
     packets: list[Packet] = []
     acks: list[Ack] = []
+    header = _NLMSGHDR.unpack_from
     off = 0
     while off < end:
         if end - off < _NLMSGHDR.size:
             raise ValueError(f"netlink: {end - off} bytes at offset {off}, less than a header")
-        length, kind, _flags, _seq, _pid = _NLMSGHDR.unpack_from(view, off)
-        if length < _NLMSGHDR.size or off + length > end:
+        length, kind, _flags, _seq, _pid = header(view, off)
+        stop = off + length
+        if length < _NLMSGHDR.size or stop > end:
             raise ValueError(f"netlink: message at offset {off} says {length} bytes,"
                              f" {end - off} left")
         if kind == _PACKET_TYPE:
-            packets.append(_packet(view, off + _HDR_LEN, off + length))
+            packets.append(_packet(view, off + _HDR_LEN, stop))
         elif kind == NLMSG_ERROR:
             if length < _NLMSGHDR.size + _NLMSGERR.size + _NLMSGHDR.size:
                 raise ValueError(f"netlink: error message at offset {off} is {length} bytes")
             (err,) = _NLMSGERR.unpack_from(view, off + _NLMSGHDR.size)
             # The request's own header follows: its seq is the one we chose.
-            req_seq = _NLMSGHDR.unpack_from(view, off + _NLMSGHDR.size + _NLMSGERR.size)[3]
+            req_seq = header(view, off + _NLMSGHDR.size + _NLMSGERR.size)[3]
             acks.append(Ack(req_seq, -err))
         off += _align(length)
-    return Received(packets, acks)
+    return _new(Received, (packets, acks))
+
 
 
 def _packet(view: memoryview, start: int, end: int) -> Packet:
     if start > end:
         raise ValueError(f"netlink: packet message ends at {end}, inside its header")
     packet_id = -1
-    hook = 0
-    mark = 0
+    hook = mark = 0
     payload = b""
     off = start
     while off < end:
@@ -344,8 +352,7 @@ def _packet(view: memoryview, start: int, end: int) -> Packet:
     if packet_id < 0:
         raise ValueError(f"netlink: packet message at offset {start - _HDR_LEN}"
                          f" has no packet header")
-    return Packet(packet_id, mark, payload, hook)
-
+    return _new(Packet, (packet_id, mark, payload, hook))
 
 class Flow(NamedTuple):
     """What a decision needs of a packet: addresses (IPv4 or IPv6 text), protocol, ports
@@ -365,6 +372,8 @@ _IPV6 = struct.Struct("!B5xB1x16s16s")
 """Version (and traffic class); (the rest of it, flow label, payload length); next header;
 (hop limit); source; destination: the fixed 40-byte header."""
 _PORTS = struct.Struct("!HH")
+_IPV4_PORTS = struct.Struct("!B8xB2x4s4sHH")
+"""``_IPV4`` and the ports right after it: the usual packet (no IP options) in one unpack."""
 _WITH_PORTS = (socket.IPPROTO_TCP, socket.IPPROTO_UDP, socket.IPPROTO_SCTP)
 
 # IPv6 extension headers (RFC 8200 4.1, RFC 7045): the ones a transport header may follow.
@@ -391,6 +400,12 @@ def flow(payload: bytes | bytearray | memoryview) -> Flow:
     """
     if not payload:
         raise ValueError("IP: an empty packet")
+    if payload[0] == 0x45 and len(payload) >= 24:
+        # The usual IPv4 packet, without options: one unpack reads all of it.
+        _, proto, src, dst, sport, dport = _IPV4_PORTS.unpack_from(payload)
+        if proto not in _WITH_PORTS:
+            sport = dport = 0
+        return _new(Flow, (_ntoa(src), _ntoa(dst), proto, sport, dport, 4))
     version = payload[0] >> 4
     if version == 6:
         return flow6(payload)
@@ -508,7 +523,7 @@ class QueueSocket:
         """Times the kernel said it dropped messages for us (ENOBUFS on recv)."""
         self.verdict_errors = 0
         """Verdicts the kernel refused (ENOENT: the packet id was not waiting)."""
-        # A verdict's seq is its packet id (``verdict_message``): an adopted queue may
+        # A verdict's seq is its packet id (``verdict_batch``): an adopted queue may
         # have numbered packets already, so its config numbers itself far above them.
         self._seq = 0 if adopt is None else 0xF000_0000
         self._pending: list[Packet] = []
@@ -633,9 +648,11 @@ class QueueSocket:
         The kernel handles them in order inside this ``send``: for an
         accepted SYN that includes its NAT, routing and forwarding.
         """
-        if not verdicts:
-            return
         per = MAX_DATAGRAM // 40
+        if len(verdicts) <= per:
+            if verdicts:
+                self._sock.send(verdict_batch(self.queue, verdicts))
+            return
         for i in range(0, len(verdicts), per):
             self._sock.send(verdict_batch(self.queue, verdicts[i:i + per]))
 

@@ -186,7 +186,9 @@ def syn(dport: int, src: str = "192.0.2.7", dst: str = "10.77.0.11") -> bytes:
 class FakeQueue:
     """What the reader uses of a ``QueueSocket``: batches in (a pipe byte each), verdicts out.
 
-    ``read_batch`` never blocks, as the socket's does: nothing waiting reads as no packets.
+    A batch stands for one datagram: ``read_batch`` reads up to ``max_reads`` of
+    those waiting, and never blocks, as the socket's does: nothing waiting reads
+    as no packets.
     """
 
     def __init__(self, batches: list[list[Packet]]) -> None:
@@ -200,10 +202,10 @@ class FakeQueue:
 
     def read_batch(self, max_reads: int = 64) -> list[Packet]:
         try:
-            os.read(self._r, 1)
+            waiting = len(os.read(self._r, max_reads))
         except BlockingIOError:
             return []
-        return self.batches.pop(0)
+        return [p for _ in range(waiting) for p in self.batches.pop(0)]
 
     def send_verdicts(self, verdicts: list[Verdict]) -> None:
         self.sent.extend(verdicts)
@@ -305,16 +307,71 @@ def test_after_syns_that_came_together_the_reader_lets_the_next_ones_gather(
     assert q.sent_at[2] - q.sent_at[1] >= 0.3
 
 
+class OneAtATimeQueue(TimedQueue):
+    """The one-at-a-time client of an idle node: each SYN comes once the reader, its last
+    verdict sent, has found the queue empty (it goes back to sleep), not before."""
+
+    def __init__(self, batches: list[list[Packet]]) -> None:
+        super().__init__(batches)
+        os.read(self._r, len(batches) - 1)  # only the first is waiting
+
+    def read_batch(self, max_reads: int = 64) -> list[Packet]:
+        got = super().read_batch(max_reads)
+        if not got and self.batches:
+            os.write(self._w, b"b")
+        return got
+
+
 def test_a_lone_syn_never_makes_the_next_one_wait(dataplane: NfqueueDataplane) -> None:
-    """The one-at-a-time client of an idle node: no wait after a batch of one. Were there
-    one, the second SYN would be answered 30 s later, past the 10 s this test allows."""
+    """No wait after a batch of one. Were there one, the second SYN would be answered
+    30 s later, past the 10 s this test allows."""
     dp = dataplane
     dp.batch_wait = 30.0
-    q = TimedQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))],
-                    [Packet(3, 0, syn(30080))]])
+    q = OneAtATimeQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))],
+                         [Packet(3, 0, syn(30080))]])
     run_reader(dp, q, 3, timeout=10)
     assert [v.packet_id for v in q.sent] == [1, 2, 3]
     assert q.sent_at[2] - q.sent_at[0] < 10
+
+
+def test_syns_waiting_behind_a_lone_one_are_answered_at_once_then_the_next_ones_gather(
+        dataplane: NfqueueDataplane) -> None:
+    """An idle reader answers its first SYN before it reads on; the ones found waiting
+    behind it are answered in the same wake-up (none waits out a batch), and mean a busy
+    node: what comes after them waits ``batch_wait``."""
+    dp = dataplane
+    dp.batch_wait = 0.3
+    q = TimedQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))],
+                    [Packet(3, 0, syn(30080))]])
+    sent_first = q.send_verdicts
+    order: list[str] = []
+
+    def noting(verdicts: list[Verdict]) -> None:
+        order.append("verdict")
+        sent_first(verdicts)
+
+    read = q.read_batch
+
+    def reading(max_reads: int = 64) -> list[Packet]:
+        order.append(f"read {max_reads}")
+        return read(max_reads)
+
+    q.send_verdicts, q.read_batch = noting, reading  # type: ignore[method-assign]
+    q.batches.append([Packet(4, 0, syn(30080))])  # comes later: no pipe byte yet
+    dp._tables = Tables(dp._tabulate(plans(A), ("0.0.0.0",), {}))  # type: ignore[arg-type]
+    dp._start_reader(q)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while len(q.sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.write(q._w, b"b")
+    while len(q.sent) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dp._stop_reader()
+    q.close()
+    assert [v.packet_id for v in q.sent] == [1, 2, 3, 4]
+    assert order[:2] == ["read 1", "verdict"]  # the lone SYN's verdict before the next read
+    assert q.sent_at[2] - q.sent_at[0] < 0.3  # 2 and 3 came with it: answered at once
+    assert q.sent_at[3] - q.sent_at[2] >= 0.3  # a busy node now: 4 waited to gather
 
 
 def test_a_reader_woken_to_stop_still_answers_what_is_queued(
