@@ -901,7 +901,7 @@ class NfqueueDataplane:
                 plan = by.plan(proto, dst, dport)
             if plan is None:
                 # Served by neither table (the port went since it was queued).
-                append(netlink.accept(packet_id, (packet_mark & keep) | lay.reject))
+                append(netlink.accept(packet_id, lay.verdict_mark(packet_mark, lay.reject)))
                 counts["unknown"] += 1
                 continue
             bkey = (family, proto, plan.key)
@@ -925,7 +925,7 @@ class NfqueueDataplane:
                 counts["drop"] += 1
                 k = (_UDP if udp else plan.key, "drop")
             else:
-                append(netlink.accept(packet_id, (packet_mark & keep) | lay.reject))
+                append(netlink.accept(packet_id, lay.verdict_mark(packet_mark, lay.reject)))
                 counts["reject"] += 1
                 k = (_UDP if udp else plan.key, "reject")
             per_port[k] = per_port.get(k, 0) + 1
