@@ -240,6 +240,28 @@ def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written(
     assert dp.decided == {"forward": 1, "drop": 0, "reject": 0, "unknown": 1}
 
 
+def test_every_verdict_keeps_the_packets_own_mark_bits_outside_kpxs_mask(
+        dataplane: NfqueueDataplane) -> None:
+    """A mark verdict replaces the whole mark: the bits another program set (here 0x4001
+    and kube-proxy's 0x8000, all outside kpx's mask) must come back as they were, on a
+    forward, a refusal and a port neither table serves. kpx's own bits are its decision's."""
+    dp = dataplane
+    lay = dp.cfg.layout
+    theirs = 0x0000_C001
+    assert theirs & lay.mask == 0
+    dp._tables = Tables(dp._tabulate(plans(A) | {  # type: ignore[operator]
+        k: dataclasses.replace(v, cluster=(), local=(), has_any=False)
+        for k, v in plans(A, node_port=30081).items()}, ("0.0.0.0",), {}))
+    q = FakeQueue([])
+    stale = theirs | lay.mask  # kpx's bits set by someone: replaced, not kept
+    dp._answer(q, [Packet(1, stale, syn(30080)), Packet(2, stale, syn(30081)),  # type: ignore[arg-type]
+                   Packet(3, stale, syn(30099))], dp._tables)
+    assert q.sent == [Verdict(1, NF_ACCEPT, theirs | lay.forward(1)),  # forwarded
+                      Verdict(2, NF_ACCEPT, theirs | lay.reject),  # no endpoints: refused
+                      Verdict(3, NF_ACCEPT, theirs | lay.reject)]  # served by neither table
+    q.close()
+
+
 def test_the_reader_outlives_a_batch_it_cannot_decide_and_drops_that_batch(
         dataplane: NfqueueDataplane) -> None:
     dp = dataplane
