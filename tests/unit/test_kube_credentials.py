@@ -43,6 +43,8 @@ import datetime, json, os, sys, time
 runs, lifetime, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
 if mode == "fail":
+    with open(runs + ".failed", "a") as f:
+        f.write("failed\\n")
     sys.stderr.write("the identity provider said no\\n")
     sys.exit(3)
 with open(runs, "a+") as f:
@@ -210,10 +212,15 @@ async def test_exec_plugin_is_rerun_after_a_401(api: FakeAPIServer, tmp_path: Pa
 async def test_failing_exec_plugin_is_logged_and_retried(
     api: FakeAPIServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Waited for, not timed: a plugin is a process, and a loaded machine starts one late.
+    The first list of each of the three kinds runs it once; a fourth run is a retry."""
     path = kubeconfig(tmp_path / "config", {"server": api.url},
                       {"exec": plugin(tmp_path, 60, mode="fail")})
+    failed = tmp_path / "runs.failed"
     hub, source, task = await sync(KubeConfig.load(path), timeout=0.3)
     try:
+        await until(lambda: failed.exists() and len(failed.read_text().splitlines()) >= 4
+                    and "process returned 3" in caplog.text, timeout=20)
         assert hub.snapshot is None and not task.done()
     finally:
         await stop(source, task)
