@@ -158,8 +158,12 @@ def seen_tokens(api: FakeAPIServer) -> list[str | None]:
 async def test_exec_plugin_token_is_renewed_before_it_expires(
     api: FakeAPIServer, tmp_path: Path, version: str
 ) -> None:
-    """A 3-second credential: the plugin runs again before each one expires, and
-    the server sees the new token; an expired token is never sent (it would 401)."""
+    """A 5-second credential: the plugin runs again before each one expires, and
+    the server sees the new token; an expired token is never sent (it would 401).
+
+    The plugin stamps whole seconds, so a credential lives 4-5 s and is renewed a
+    fifth of that, 0.8-1 s, ahead: room for the plugin's own start on a loaded
+    machine (a 3-second one left 0.4 s)."""
     def valid(token: str | None) -> bool:
         for run in runs(tmp_path):
             if token == f"tok-{run['n']}":
@@ -168,14 +172,14 @@ async def test_exec_plugin_token_is_renewed_before_it_expires(
 
     api.check_token = valid
     path = kubeconfig(tmp_path / "config", {"server": api.url},
-                      {"exec": plugin(tmp_path, 3.0, api_version=version)})
+                      {"exec": plugin(tmp_path, 5.0, api_version=version)})
     config = KubeConfig.load(path)
     assert runs(tmp_path) == [], "the plugin runs at the first request, not at load"
     hub, source, task = await sync(config)
     try:
         assert hub.snapshot is not None
         # Keep requests coming (each ended watch is a new one) until two renewals.
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + 20
         while len(runs(tmp_path)) < 3 and time.monotonic() < deadline:
             api.end_watches("Service")
             await asyncio.sleep(0.1)
