@@ -170,6 +170,9 @@ class Contender:
     no_udp = ""
     """Why not, when ``udp`` is False (the udp cell's n/a reason)."""
     port_base = 0
+    terminates_tcp = True
+    """Whether the client's TCP connection ends in a proxy process on node1 (False: the
+    kernel forwards it, and node1 sends no segment of its own for it)."""
 
     @classmethod
     def serves(cls, workload: str) -> str | None:
@@ -311,6 +314,7 @@ class Direct(Contender):
     description = "client -> pod, routed through the nodes, no proxy (the topology's ceiling)"
     proxied = False
     has_process = False
+    terminates_tcp = False
 
     def target_of(self, family: int) -> Target:
         return Target(self.backend().ip(family), HTTP_PORT, BULK_PORT, IPERF_PORT, UDP_PORT)
@@ -320,6 +324,7 @@ class Kernel(Contender):
     name = "kernel"
     description = "nftables DNAT + masquerade in node1 (what kube-proxy's nftables mode does)"
     has_process = False
+    terminates_tcp = False
     port_base = 30100
 
     def ruleset(self) -> str:
@@ -739,6 +744,7 @@ class KpxNfqueue(Kpx):
     name = "kpx-nfq"
     description = "kpx node --proxy-mode nfqueue (SYN decided in Python, kernel forwards)"
     port_base = 30600
+    terminates_tcp = False
     proxy_mode = "nfqueue"
 
     @classmethod

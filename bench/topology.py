@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import socket
@@ -560,3 +561,96 @@ def count_states() -> dict[str, int]:
     for _, _, st in read_tcp_table():
         counts[st] = counts.get(st, 0) + 1
     return counts
+
+
+DROP_COUNTERS: dict[str, tuple[str, ...]] = {
+    "Tcp": ("ActiveOpens", "PassiveOpens", "AttemptFails", "EstabResets", "OutRsts"),
+    "TcpExt": ("ListenOverflows", "ListenDrops", "TCPAbortOnData", "TCPAbortOnClose",
+               "TCPAbortOnTimeout", "TCPTimeWaitOverflow", "PAWSActive", "PAWSEstab"),
+    "conntrack": ("invalid", "insert_failed", "drop", "early_drop", "clashres"),
+}
+"""What ``read_counters`` keeps: the kernel's reasons a connection was refused, reset or
+lost (per namespace), and two openings counts that show the reading is of the right one."""
+
+
+def parse_snmp(text: str, keep: dict[str, tuple[str, ...]] = DROP_COUNTERS) -> dict[str, int]:
+    """``Group.Name -> value`` from ``/proc/net/snmp`` or ``netstat``: each group is a header
+    line of names followed by a line of values, both starting with ``Group:``."""
+    out: dict[str, int] = {}
+    lines = text.splitlines()
+    for head, vals in itertools.pairwise(lines):
+        group, _, names = head.partition(":")
+        wanted = keep.get(group)
+        if not wanted or not vals.startswith(group + ":") or vals[len(group) + 1:] == names:
+            continue
+        for name, value in zip(names.split(), vals.partition(":")[2].split(), strict=False):
+            if name in wanted:
+                out[f"{group}.{name}"] = int(value)
+    return out
+
+
+def parse_conntrack_stat(text: str, keep: tuple[str, ...] = DROP_COUNTERS["conntrack"]
+                         ) -> dict[str, int]:
+    """``conntrack.name -> sum over CPUs`` from ``/proc/net/stat/nf_conntrack``: a header of
+    names, then one line of hex values per CPU (``entries`` is the same on every line, and
+    not a counter)."""
+    lines = text.split("\n")
+    names = lines[0].split()
+    out = dict.fromkeys((f"conntrack.{n}" for n in keep if n in names), 0)
+    for line in lines[1:]:
+        for name, value in zip(names, line.split(), strict=False):
+            if name in keep:
+                out[f"conntrack.{name}"] += int(value, 16)
+    return out
+
+
+def read_counters() -> dict[str, int]:
+    """``DROP_COUNTERS`` of the calling thread's netns (``NsThread.call``; see
+    ``read_tcp_table`` for why ``thread-self``). No conntrack figures where the
+    namespace has never loaded it."""
+    out: dict[str, int] = {}
+    for name in ("snmp", "netstat"):
+        with open(f"/proc/thread-self/net/{name}", encoding="ascii") as f:
+            out.update(parse_snmp(f.read()))
+    with (contextlib.suppress(FileNotFoundError),
+          open("/proc/thread-self/net/stat/nf_conntrack", encoding="ascii") as f):
+        out.update(parse_conntrack_stat(f.read()))
+    return out
+
+
+def counter_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+                   ) -> dict[str, dict[str, int]]:
+    """Per role, the counters that moved between two ``read_counters`` rounds."""
+    out: dict[str, dict[str, int]] = {}
+    for role, now in after.items():
+        was = before.get(role, {})
+        moved = {k: v - was[k] for k, v in now.items() if k in was and v != was[k]}
+        if moved:
+            out[role] = moved
+    return out
+
+
+LOSS_SIGNS = frozenset({
+    "TcpExt.ListenOverflows", "TcpExt.ListenDrops", "TcpExt.PAWSActive", "TcpExt.PAWSEstab",
+    *(f"conntrack.{n}" for n in DROP_COUNTERS["conntrack"]),
+})
+"""Counters that move only when a connection is lost, in any namespace. Resets are not
+among them: wrk aborts its open connections when a run ends (the client's ``OutRsts``
+and ``TCPAbortOnData`` move by about its connection count in every clean run), and the
+backend answers their late segments with more."""
+
+
+FORWARDER_SIGNS = frozenset({"Tcp.OutRsts", "Tcp.AttemptFails", "Tcp.EstabResets"})
+
+
+def explain_losses(deltas: dict[str, dict[str, int]], forwarder: str | None = None) -> str:
+    """The counters of ``counter_deltas`` that say where connections were lost, in one line
+    (``""`` if none moved): ``LOSS_SIGNS`` anywhere, and on *forwarder* (a node whose
+    kernel forwards the connections, never ending them) any reset or failed attempt: there
+    one means a packet missed its NAT and met the node's own stack. What a failed run's
+    reason adds, so that one reset in thousands names the namespace and the kernel's
+    reason."""
+    parts = [f"{role} {name} +{n}" for role, moved in deltas.items()
+             for name, n in moved.items()
+             if n > 0 and (name in LOSS_SIGNS or (role == forwarder and name in FORWARDER_SIGNS))]
+    return ", ".join(parts)

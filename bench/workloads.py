@@ -43,7 +43,10 @@ from bench.topology import (
     CommandError,
     Topology,
     count_states,
+    counter_deltas,
+    explain_losses,
     host_port,
+    read_counters,
     read_tcp_table,
     sh,
 )
@@ -218,8 +221,22 @@ def _bulk_iperf3(topo: Topology, c: Contender, s: Settings) -> Run:
     return Run(ok=True, metrics={"gbps": r.gbps}, detail=detail)
 
 
+def _roles(c: Contender) -> tuple[str, ...]:
+    """The namespaces a data-path run crosses: the client's, node1's and the backend's."""
+    pod = "pod1" if c.path == "local" else "pod2"
+    return tuple(dict.fromkeys((c.client_role, "node1", pod)))
+
+
+def _counters(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    return {r: topo.thread(r).call(read_counters) for r in roles}
+
+
 def _wrk(topo: Topology, c: Contender, s: Settings, workload: str) -> Run:
+    """One wrk run; its detail keeps the kernel counters that moved in each namespace
+    (``counters``), and a run failed by socket errors says which of them did."""
     t = c.target()
+    roles = _roles(c)
+    before = _counters(topo, roles)
     secs = s.durations[workload]
     conns = s.rr_connections if workload == "rr" else s.cps_connections
     argv = ["wrk", f"-t{s.wrk_threads}", f"-c{conns}", f"-d{secs:g}s", "--latency",
@@ -241,8 +258,13 @@ def _wrk(topo: Topology, c: Contender, s: Settings, workload: str) -> Run:
         "socket_errors": {"connect": w.connect_errors, "read": w.read_errors,
                           "write": w.write_errors, "timeout": w.timeouts},
         "non_2xx": w.non_2xx,
+        "counters": counter_deltas(before, _counters(topo, roles)),
     }
     problems = w.problems()
+    if w.socket_errors:
+        losses = explain_losses(detail["counters"], None if c.terminates_tcp else "node1")
+        problems.append(f"during the run: {losses}" if losses
+                        else "no kernel counter of a lost connection moved")
     dead = c.alive_problem()
     if dead:
         problems.append(dead)
@@ -262,8 +284,7 @@ def rr(topo: Topology, c: Contender, s: Settings) -> Run:
 
 def cps(topo: Topology, c: Contender, s: Settings) -> Run:
     """New connection per request; TIME_WAIT per namespace recorded before and after."""
-    pod = "pod1" if c.path == "local" else "pod2"  # the backend's namespace
-    roles = tuple(dict.fromkeys((c.client_role, "node1", pod)))
+    roles = _roles(c)
     before = _socket_states(topo, roles)
     run = _wrk(topo, c, s, "cps")
     run.detail["time_wait_before"] = _time_wait(before)

@@ -104,6 +104,12 @@ def test_every_contender_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
             assert cell is not None and cell.status == "ok", (c, w, cell and cell.reason)
     for c in ("haproxy", "naive"):
         assert table.get("local", "mem", c).status == "ok"
+    # Each run keeps the kernel counters that moved, per namespace: the client opened at
+    # least one connection per request of a cps run (the client's own, not node1's).
+    cps_run = table.get("local", "cps", "kernel").runs[0]
+    opened = cps_run.detail["counters"]["client"]["Tcp.ActiveOpens"]
+    assert opened >= cps_run.detail["requests"], cps_run.detail
+    assert "Tcp.ActiveOpens" not in cps_run.detail["counters"].get("node1", {})
     floors = ["nfq-pyfloor", *(["nfq-floor"] if shutil.which("cc") is not None else [])]
     for floor in floors:  # the NFQUEUE floors forward as kpx-nfq does
         for w in ("bulk", "rr", "cps"):

@@ -108,3 +108,28 @@ def test_kpx_nfqueue_sets_read_from_a_thread_in_the_namespace(ns_thread: NsThrea
     # Absent reads as empty (kpx not started, or gone); any other failure is an error.
     with pytest.raises(OSError, match=r"list set ip kpx_nfq ports!.*syntax error"):
         ns_thread.call(nft_list_set, NFQ_TABLE, "ports!")
+
+
+def _refused_connect() -> None:
+    """A connect to a port nobody listens on: this namespace's kernel answers the SYN
+    with a reset."""
+    with socket.socket() as s:
+        s.settimeout(5)
+        with pytest.raises(ConnectionRefusedError):
+            s.connect(("127.0.0.1", 9))
+
+
+def test_read_counters_are_this_namespaces_own(ns_thread: NsThread) -> None:
+    """One refused connect in a fresh namespace moves exactly its own counters by one:
+    the reading is of the thread's namespace, where nothing else runs."""
+    before = {"ns": ns_thread.call(topology.read_counters)}
+    ns_thread.call(_refused_connect)
+    after = {"ns": ns_thread.call(topology.read_counters)}
+    assert topology.counter_deltas(before, after) == {"ns": {
+        "Tcp.ActiveOpens": 1, "Tcp.AttemptFails": 1, "Tcp.OutRsts": 1}}
+    # On a forwarding node that reset is a lost connection; on a proxy's, or a client's,
+    # a reset is what ends a run's open connections, and says nothing.
+    moved = topology.counter_deltas(before, after)
+    assert topology.explain_losses(moved, forwarder="ns") == (
+        "ns Tcp.AttemptFails +1, ns Tcp.OutRsts +1")
+    assert topology.explain_losses(moved) == ""

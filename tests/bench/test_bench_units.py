@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import cli, k8s_state, report
+from bench import cli, k8s_state, report, topology
 from bench.contenders import bench_state
 from bench.control import ControlSettings, percentile
 from bench.results import CellTable, Run
@@ -282,3 +282,61 @@ def test_cpu_is_not_claimed_for_failed_runs_or_kernel_contenders() -> None:
     _burn(0.05)  # the machine's share needs at least one clock tick to pass
     usage.finish("cps", run)
     assert "cps_cpu_us" not in run.metrics and "machine_busy_pct" in run.detail
+
+
+SNMP = """\
+Ip: Forwarding DefaultTTL InReceives
+Ip: 1 64 120
+Icmp: InMsgs InErrors
+Icmp: 3 0
+IcmpMsg: InType3 OutType3
+IcmpMsg: 3 3
+Tcp: RtoAlgorithm ActiveOpens PassiveOpens AttemptFails EstabResets CurrEstab OutRsts
+Tcp: 1 10 7 2 1 4 5
+Udp: InDatagrams NoPorts
+Udp: 9 1
+"""
+
+CONNTRACK_STAT = """\
+entries  clashres found new invalid ignore delete chainlength insert insert_failed drop \
+early_drop icmp_error  expect_new expect_create expect_delete search_restart
+0000002a  00000000 00000000 00000000 00000003 00000000 00000000 00000000 00000000 00000001 \
+00000000 00000000 00000000  00000000 00000000 00000000 00000000
+0000002a  00000001 00000000 00000000 0000000a 00000000 00000000 00000000 00000000 00000000 \
+00000000 00000002 00000000  00000000 00000000 00000000 00000000
+"""
+
+
+def test_snmp_counters_are_read_by_their_header() -> None:
+    """Only the kept counters of the kept groups, each value under its own header's name
+    (a values line never read as a header, a group never mixed with the next)."""
+    assert topology.parse_snmp(SNMP) == {
+        "Tcp.ActiveOpens": 10, "Tcp.PassiveOpens": 7, "Tcp.AttemptFails": 2,
+        "Tcp.EstabResets": 1, "Tcp.OutRsts": 5,
+    }
+
+
+def test_conntrack_stats_are_summed_over_cpus() -> None:
+    assert topology.parse_conntrack_stat(CONNTRACK_STAT) == {
+        "conntrack.invalid": 13, "conntrack.insert_failed": 1, "conntrack.drop": 0,
+        "conntrack.early_drop": 2, "conntrack.clashres": 1,
+    }
+
+
+def test_a_failed_runs_losses_name_the_namespace_and_the_counter() -> None:
+    before = {"client": {"Tcp.OutRsts": 5, "TcpExt.ListenDrops": 0},
+              "node1": {"Tcp.OutRsts": 0, "conntrack.invalid": 3},
+              "pod1": {"TcpExt.ListenDrops": 1}}
+    after = {"client": {"Tcp.OutRsts": 55, "TcpExt.ListenDrops": 0},
+             "node1": {"Tcp.OutRsts": 1, "conntrack.invalid": 4},
+             "pod1": {"TcpExt.ListenDrops": 3}}
+    moved = topology.counter_deltas(before, after)
+    assert moved == {"client": {"Tcp.OutRsts": 50},
+                     "node1": {"Tcp.OutRsts": 1, "conntrack.invalid": 1},
+                     "pod1": {"TcpExt.ListenDrops": 2}}
+    # The client's resets are wrk's own, at the end of every run: never a loss.
+    assert topology.explain_losses(moved, forwarder="node1") == (
+        "node1 Tcp.OutRsts +1, node1 conntrack.invalid +1, pod1 TcpExt.ListenDrops +2")
+    # A proxy on node1 ends connections itself: its resets are not evidence either.
+    assert topology.explain_losses(moved) == (
+        "node1 conntrack.invalid +1, pod1 TcpExt.ListenDrops +2")
