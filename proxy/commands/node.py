@@ -209,6 +209,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f" {conntrack.CONNTRACK_MIN})",
     )
     parser.add_argument(
+        "--conntrack-tcp-be-liberal", action="store_true",
+        help="nfqueue mode: set nf_conntrack_tcp_be_liberal=1, so that conntrack marks no"
+        " out-of-window segment of a DNATed connection INVALID (such a segment misses its"
+        " NAT and the node resets the connection); left as it is by default",
+    )
+    parser.add_argument(
         "--queue-num", type=int, default=DEFAULT_QUEUE, metavar="N",
         help=f"nfqueue mode: the NFQUEUE number SYNs are queued to (default {DEFAULT_QUEUE})",
     )

@@ -28,7 +28,13 @@ the NAT conntrack recorded at its SYN, so conntrack's limits are kpx's:
   last datagram, as the relay's flow table keeps it in userspace mode;
 - ``net.ipv4.conf.all.route_localnet=1``, so a SYN to ``127.0.0.1:nodePort``
   may be DNATed out of the node, as kube-proxy's iptables mode allows
-  localhost NodePorts.
+  localhost NodePorts;
+- ``nf_conntrack_tcp_be_liberal=1`` with ``--conntrack-tcp-be-liberal`` (off by
+  default, as in kube-proxy): conntrack then marks no out-of-window segment of a
+  tracked connection INVALID. An INVALID segment gets no NAT, so one sent to
+  the NodePort meets the node's own stack, which answers it with a reset that
+  kills the client's connection. kube-proxy's nftables mode offers this flag
+  instead of iptables mode's rule dropping INVALID packets.
 
 Never: lower a limit someone raised, or fail the start for a setting the
 namespace cannot take (logged instead).
@@ -65,6 +71,7 @@ class Settings:
     udp_stream: float = 120.0
     max_per_core: int = CONNTRACK_MAX_PER_CORE
     min: int = CONNTRACK_MIN
+    tcp_be_liberal: bool = False
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> Settings:
@@ -75,6 +82,7 @@ class Settings:
             udp_stream=getattr(args, "conntrack_udp_timeout_stream", 120.0),
             max_per_core=getattr(args, "conntrack_max_per_core", CONNTRACK_MAX_PER_CORE),
             min=getattr(args, "conntrack_min", CONNTRACK_MIN),
+            tcp_be_liberal=getattr(args, "conntrack_tcp_be_liberal", False),
         )
 
     def wanted_max(self, cpus: int | None = None) -> int:
@@ -97,6 +105,8 @@ def wanted(settings: Settings, cpus: int | None = None) -> dict[str, int]:
             out[f"net/netfilter/nf_conntrack_{key}"] = max(1, math.ceil(seconds))
     if settings.wanted_max(cpus):
         out["net/netfilter/nf_conntrack_max"] = settings.wanted_max(cpus)
+    if settings.tcp_be_liberal:
+        out["net/netfilter/nf_conntrack_tcp_be_liberal"] = 1
     return out
 
 

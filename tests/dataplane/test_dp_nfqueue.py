@@ -23,11 +23,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy.nfqueue import netlink, rules
+from proxy.nfqueue import conntrack, netlink, rules
 from proxy.nfqueue.netlink import Flow, QueueSocket, Verdict
 from proxy.nfqueue.rules import MarkLayout, QueueConfig, Served
 from tests.support import backends
@@ -635,3 +636,25 @@ def test_a_change_to_a_table_that_is_not_as_written_is_refused_whole() -> None:
 
     rc, before, after = in_fresh_netns("nfqdelta3", tamper_then_apply)
     assert rc != 0 and before == after
+
+
+def test_tcp_be_liberal_is_written_in_kpxs_namespace_only() -> None:
+    """``--conntrack-tcp-be-liberal``'s sysctl is per namespace: kpx writes it where it
+    runs, and the namespace it was started from keeps its own value."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    key = "net/netfilter/nf_conntrack_tcp_be_liberal"
+    outside = Path("/proc/sys", key).read_text()
+
+    def apply_then_read() -> tuple[dict[str, int], str]:
+        # A rule that tracks connections loads conntrack, and with it the sysctl, as
+        # kpx's own rules do before it sets them.
+        subprocess.run(["nft", "-f", "-"], check=True, text=True, input=(
+            "table ip kpx_ct_test {\n chain c {\n type filter hook prerouting priority 0\n"
+            " ct state new accept\n }\n}\n"))
+        done = conntrack.apply(conntrack.Settings(tcp_be_liberal=True))
+        return done, Path("/proc/sys", key).read_text()
+
+    done, inside = in_fresh_netns("nfqliberal", apply_then_read)
+    assert done[key] == 1 and inside == "1\n"
+    assert Path("/proc/sys", key).read_text() == outside

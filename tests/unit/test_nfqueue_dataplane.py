@@ -9,6 +9,7 @@ endpoints nowhere; conntrack's values follow kube-proxy's flags.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import os
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from proxy.commands import node as node_command
 from proxy.core.decision import build_plans
 from proxy.core.model import EndpointPort, ServicePort
 from proxy.core.sync import SyncConfig, SyncResult, compute_sync
@@ -107,6 +109,24 @@ def test_conntrack_values_follow_kube_proxys_flags(tmp_path: Path) -> None:
     assert done == {"net/ipv4/conf/all/route_localnet": 1,
                     "net/netfilter/nf_conntrack_tcp_timeout_established": 86400}
     assert (tmp_path / "net/netfilter/nf_conntrack_max").read_text() == "10000000\n"
+
+
+def test_tcp_be_liberal_is_set_only_when_asked(tmp_path: Path) -> None:
+    """``--conntrack-tcp-be-liberal`` as kube-proxy's: written to 1 when given; without
+    it kpx neither sets the sysctl nor clears what someone else set."""
+    key = "net/netfilter/nf_conntrack_tcp_be_liberal"
+    parser = argparse.ArgumentParser()
+    node_command.configure(parser)
+    args = parser.parse_args(["--conntrack-tcp-be-liberal"])
+    assert conntrack.wanted(conntrack.Settings.from_flags(args), cpus=2)[key] == 1
+    default = parser.parse_args([])
+    assert key not in conntrack.wanted(conntrack.Settings.from_flags(default), cpus=2)
+    (tmp_path / key).parent.mkdir(parents=True)
+    (tmp_path / key).write_text("0\n")
+    assert key in conntrack.apply(conntrack.Settings(tcp_be_liberal=True), root=tmp_path)
+    assert (tmp_path / key).read_text() == "1\n"
+    assert key not in conntrack.apply(conntrack.Settings(), root=tmp_path)
+    assert (tmp_path / key).read_text() == "1\n"
 
 
 def test_a_udp_port_is_queued_in_the_udp_sets_only() -> None:
