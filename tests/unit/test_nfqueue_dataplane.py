@@ -382,7 +382,8 @@ def test_syns_waiting_behind_a_lone_one_are_answered_at_once_then_the_next_ones_
     behind it are answered in the same wake-up (none waits out a batch), and mean a busy
     node: what comes after them waits ``batch_wait``."""
     dp = dataplane
-    dp.batch_wait = 0.3
+    # Far longer than any stall of a loaded machine, so "at once" and "waited" cannot mix.
+    dp.batch_wait = 1.0
     q = TimedQueue([[Packet(1, 0, syn(30080))], [Packet(2, 0, syn(30080))],
                     [Packet(3, 0, syn(30080))]])
     sent_first = q.send_verdicts
@@ -412,8 +413,8 @@ def test_syns_waiting_behind_a_lone_one_are_answered_at_once_then_the_next_ones_
     q.close()
     assert [v.packet_id for v in q.sent] == [1, 2, 3, 4]
     assert order[:2] == ["read 1", "verdict"]  # the lone SYN's verdict before the next read
-    assert q.sent_at[2] - q.sent_at[0] < 0.3  # 2 and 3 came with it: answered at once
-    assert q.sent_at[3] - q.sent_at[2] >= 0.3  # a busy node now: 4 waited to gather
+    assert q.sent_at[2] - q.sent_at[0] < 1.0  # 2 and 3 came with it: answered at once
+    assert q.sent_at[3] - q.sent_at[2] >= 1.0  # a busy node now: 4 waited to gather
 
 
 def test_a_reader_woken_to_stop_still_answers_what_is_queued(
