@@ -568,9 +568,12 @@ DROP_COUNTERS: dict[str, tuple[str, ...]] = {
     "TcpExt": ("ListenOverflows", "ListenDrops", "TCPAbortOnData", "TCPAbortOnClose",
                "TCPAbortOnTimeout", "TCPTimeWaitOverflow", "PAWSActive", "PAWSEstab"),
     "conntrack": ("invalid", "insert_failed", "drop", "early_drop", "clashres"),
+    "nfqueue": ("queue_dropped", "user_dropped"),
 }
 """What ``read_counters`` keeps: the kernel's reasons a connection was refused, reset or
-lost (per namespace), and two openings counts that show the reading is of the right one."""
+lost (per namespace), and two openings counts that show the reading is of the right one.
+An NFQUEUE's drops are SYNs lost before any reader saw them: the queue was full
+(``queue_dropped``) or the reader's socket buffer was (``user_dropped``)."""
 
 
 def parse_snmp(text: str, keep: dict[str, tuple[str, ...]] = DROP_COUNTERS) -> dict[str, int]:
@@ -604,10 +607,23 @@ def parse_conntrack_stat(text: str, keep: tuple[str, ...] = DROP_COUNTERS["connt
     return out
 
 
+def parse_nfqueue(text: str) -> dict[str, int]:
+    """``nfqueue.*_dropped``, summed over the bound queues, from
+    ``/proc/net/netfilter/nfnetlink_queue`` (one line per queue: number, peer port id,
+    queued now, copy mode, copy range, queue_dropped, user_dropped, last packet id, 1)."""
+    out = dict.fromkeys(("nfqueue.queue_dropped", "nfqueue.user_dropped"), 0)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 7:
+            out["nfqueue.queue_dropped"] += int(fields[5])
+            out["nfqueue.user_dropped"] += int(fields[6])
+    return out
+
+
 def read_counters() -> dict[str, int]:
     """``DROP_COUNTERS`` of the calling thread's netns (``NsThread.call``; see
     ``read_tcp_table`` for why ``thread-self``). No conntrack figures where the
-    namespace has never loaded it."""
+    namespace has never loaded it, no NFQUEUE ones where nothing ever bound a queue."""
     out: dict[str, int] = {}
     for name in ("snmp", "netstat"):
         with open(f"/proc/thread-self/net/{name}", encoding="ascii") as f:
@@ -615,6 +631,9 @@ def read_counters() -> dict[str, int]:
     with (contextlib.suppress(FileNotFoundError),
           open("/proc/thread-self/net/stat/nf_conntrack", encoding="ascii") as f):
         out.update(parse_conntrack_stat(f.read()))
+    with (contextlib.suppress(FileNotFoundError),
+          open("/proc/thread-self/net/netfilter/nfnetlink_queue", encoding="ascii") as f):
+        out.update(parse_nfqueue(f.read()))
     return out
 
 
@@ -633,6 +652,7 @@ def counter_deltas(before: dict[str, dict[str, int]], after: dict[str, dict[str,
 LOSS_SIGNS = frozenset({
     "TcpExt.ListenOverflows", "TcpExt.ListenDrops", "TcpExt.PAWSActive", "TcpExt.PAWSEstab",
     *(f"conntrack.{n}" for n in DROP_COUNTERS["conntrack"]),
+    *(f"nfqueue.{n}" for n in DROP_COUNTERS["nfqueue"]),
 })
 """Counters that move only when a connection is lost, in any namespace. Resets are not
 among them: wrk aborts its open connections when a run ends (the client's ``OutRsts``

@@ -323,6 +323,16 @@ def test_conntrack_stats_are_summed_over_cpus() -> None:
     }
 
 
+def test_nfqueue_drops_are_summed_over_queues() -> None:
+    text = (" 7078  25445     0 2   128     3     1    25260  1\n"
+            " 7079  25446     2 2   128     0     4      911  1\n")
+    assert topology.parse_nfqueue(text) == {"nfqueue.queue_dropped": 3,
+                                            "nfqueue.user_dropped": 5}
+    assert topology.parse_nfqueue("") == {"nfqueue.queue_dropped": 0,
+                                          "nfqueue.user_dropped": 0}
+    assert "nfqueue.user_dropped" in topology.LOSS_SIGNS
+
+
 def test_a_failed_runs_losses_name_the_namespace_and_the_counter() -> None:
     before = {"client": {"Tcp.OutRsts": 5, "TcpExt.ListenDrops": 0},
               "node1": {"Tcp.OutRsts": 0, "conntrack.invalid": 3},
