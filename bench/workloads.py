@@ -221,10 +221,14 @@ def _bulk_iperf3(topo: Topology, c: Contender, s: Settings) -> Run:
     return Run(ok=True, metrics={"gbps": r.gbps}, detail=detail)
 
 
+def _backend_role(c: Contender) -> str:
+    """The backend's namespace: the pod on node1 (local path) or on node2."""
+    return "pod1" if c.path == "local" else "pod2"
+
+
 def _roles(c: Contender) -> tuple[str, ...]:
     """The namespaces a data-path run crosses: the client's, node1's and the backend's."""
-    pod = "pod1" if c.path == "local" else "pod2"
-    return tuple(dict.fromkeys((c.client_role, "node1", pod)))
+    return tuple(dict.fromkeys((c.client_role, "node1", _backend_role(c))))
 
 
 def _counters(topo: Topology, roles: tuple[str, ...]) -> dict[str, dict[str, int]]:
@@ -301,8 +305,7 @@ def cps(topo: Topology, c: Contender, s: Settings) -> Run:
 
 
 def _backend_established(topo: Topology, c: Contender) -> int:
-    pod = "pod1" if c.path == "local" else "pod2"
-    table = topo.thread(pod).call(read_tcp_table)
+    table = topo.thread(_backend_role(c)).call(read_tcp_table)
     return sum(1 for lp, _, st in table if lp == HTTP_PORT and st == "ESTABLISHED")
 
 
