@@ -584,7 +584,7 @@ def parse_snmp(text: str, keep: dict[str, tuple[str, ...]] = DROP_COUNTERS) -> d
     for head, vals in itertools.pairwise(lines):
         group, _, names = head.partition(":")
         wanted = keep.get(group)
-        if not wanted or not vals.startswith(group + ":") or vals[len(group) + 1:] == names:
+        if not wanted or not vals.startswith(group + ":"):
             continue
         for name, value in zip(names.split(), vals.partition(":")[2].split(), strict=False):
             if name in wanted:
@@ -611,12 +611,13 @@ def parse_nfqueue(text: str) -> dict[str, int]:
     """``nfqueue.*_dropped``, summed over the bound queues, from
     ``/proc/net/netfilter/nfnetlink_queue`` (one line per queue: number, peer port id,
     queued now, copy mode, copy range, queue_dropped, user_dropped, last packet id, 1)."""
-    out = dict.fromkeys(("nfqueue.queue_dropped", "nfqueue.user_dropped"), 0)
+    keys = [f"nfqueue.{n}" for n in DROP_COUNTERS["nfqueue"]]  # fields 5 and 6
+    out = dict.fromkeys(keys, 0)
     for line in text.splitlines():
         fields = line.split()
         if len(fields) >= 7:
-            out["nfqueue.queue_dropped"] += int(fields[5])
-            out["nfqueue.user_dropped"] += int(fields[6])
+            for key, value in zip(keys, fields[5:7], strict=True):
+                out[key] += int(value)
     return out
 
 
