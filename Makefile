@@ -16,6 +16,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Python's bytecode caches on, whatever the caller's environment says. Every
+# process a lab or a test starts (kpx node, its pods, the LB, the CLI) imports
+# kpx's own modules, and pytest rewrites every test module's asserts. Under
+# PYTHONDONTWRITEBYTECODE (set on some CI runners) none of that is cached:
+# each kpx start compiled its modules again (about 0.45 s here), and each
+# pytest process spent about 10 s rewriting the tests before running one.
+unexport PYTHONDONTWRITEBYTECODE
+
 run: $(STAMP)
 	$(KPX) lab up
 	$(KPX) demo
