@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import gc
 import logging
 import os
@@ -218,7 +217,9 @@ class _DirectoryWatch:
     """A minimal inotify watch on one directory, read from the event loop."""
 
     def __init__(self, directory: Path) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The process's own symbols, libc's among them: find_library("c")
+        # would run ``ldconfig -p`` at every start to name the same library.
+        libc = ctypes.CDLL(None, use_errno=True)
         fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             raise OSError(ctypes.get_errno(), "inotify_init1 failed")
