@@ -199,9 +199,9 @@ class LoadBalancer:
         peer = writer.get_extra_info("peername")
         front = writer.get_extra_info("sockname")
         try:
-            up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection(backend.ip, self.cfg.node_port), self.cfg.connect_timeout
-            )
+            async with asyncio.timeout(self.cfg.connect_timeout):
+                up_reader, up_writer = await asyncio.open_connection(
+                    backend.ip, self.cfg.node_port)
         except (OSError, TimeoutError) as e:
             log.info("%s:%s -> %s: %s", peer[0], peer[1], backend.name, describe_error(e))
             _reset(writer)

@@ -48,6 +48,7 @@ async def probe_once(probe: Probe, ip: str) -> tuple[bool, str]:
     503 from a healthCheckNodePort is a failure even though the port is open.
     """
     try:
-        return await asyncio.wait_for(_probe_body(probe, ip), probe.timeout)
+        async with asyncio.timeout(probe.timeout):
+            return await _probe_body(probe, ip)
     except (OSError, TimeoutError, EOFError, asyncio.IncompleteReadError) as e:
         return False, describe_error(e)

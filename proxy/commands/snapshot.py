@@ -18,12 +18,16 @@ import asyncio
 import os
 import sys
 import tempfile
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 from proxy.k8s import StateError, parse_objects
 from proxy.sources.kubeapi import PAGE_SIZE
 from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
 from proxy.sources.snapshot import SnapshotError, render, take_snapshot
+
+_T = TypeVar("_T")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -45,14 +49,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"objects per list page (default {PAGE_SIZE}, as client-go)")
 
 
+async def _bounded(work: Awaitable[_T], timeout: float) -> _T:
+    async with asyncio.timeout(timeout):
+        return await work
+
+
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0 or args.page_size < 1:
         print("kpx snapshot: --timeout and --page-size must be positive", file=sys.stderr)
         return 2
     try:
         config = KubeConfig.load(args.kubeconfig, args.master)
-        objects = asyncio.run(asyncio.wait_for(take_snapshot(config, args.page_size),
-                                               args.timeout))
+        objects = asyncio.run(_bounded(take_snapshot(config, args.page_size), args.timeout))
     except (KubeConfigError, SnapshotError) as e:
         print(f"kpx snapshot: {e}", file=sys.stderr)
         return 1

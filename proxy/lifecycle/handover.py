@@ -213,7 +213,8 @@ async def _ready(sock: socket.socket, write: bool, timeout: float | None) -> Non
 
     (loop.add_writer if write else loop.add_reader)(fd, wake)
     try:
-        await asyncio.wait_for(fut, timeout)
+        async with asyncio.timeout(timeout):
+            await fut
     finally:
         (loop.remove_writer if write else loop.remove_reader)(fd)
 

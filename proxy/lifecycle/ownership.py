@@ -655,8 +655,8 @@ class Offer:
         while True:
             self._waiter = self._loop.create_future()
             try:
-                conn = await asyncio.wait_for(self._waiter,
-                                              max(0.0, deadline - self._loop.time()))
+                async with asyncio.timeout_at(deadline):
+                    conn = await self._waiter
             except TimeoutError:
                 self._state = "closed"
                 return None

@@ -378,7 +378,8 @@ class KubeAPISource:
     async def wait_synced(self, timeout: float | None = None) -> bool:
         """Wait for the first good state to be published; False after ``timeout``."""
         try:
-            await asyncio.wait_for(self._first.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._first.wait()
         except TimeoutError:
             unlisted = [k.plural for k in self._kinds if not k.synced]
             log.warning(
@@ -397,10 +398,23 @@ class KubeAPISource:
 
     # -- one reflector per kind -----------------------------------------------------------
 
+    def _serving(self, kind: _Kind, task: asyncio.Task[None] | None) -> bool:
+        """Whether ``task`` is still ``kind``'s reflector: not once ``run`` has let its
+        session go (``stop``), nor once ``reload`` has started another in its place.
+
+        Asked every turn rather than trusting cancellation alone: a library that
+        swallows a cancel (Python 3.11's ``asyncio.wait_for`` does, when what it
+        waits for finishes in the loop turn the cancel comes in) would otherwise
+        leave a reflector that lists with no session, in a tight loop, and a
+        ``stop`` that never returns.
+        """
+        return self._session is not None and self._tasks.get(kind.kind) is task
+
     async def _reflect(self, kind: _Kind) -> None:
         """List when needed, watch, and start over after anything short of ``stop``."""
         backoff = _Backoff(self.backoff_initial, self.backoff_max)
-        while True:
+        me = asyncio.current_task()
+        while self._serving(kind, me):
             listing = kind.list_from is not None
             try:
                 if listing:

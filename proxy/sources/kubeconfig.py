@@ -471,7 +471,8 @@ class ExecPlugin:
         started = self._clock()
         run = asyncio.ensure_future(self.provider.run())
         try:
-            status = await asyncio.wait_for(asyncio.shield(run), EXEC_TIMEOUT)
+            async with asyncio.timeout(EXEC_TIMEOUT):
+                status = await asyncio.shield(run)
         except (ConfigException, OSError) as e:
             raise CredentialError(f"{self.where}: {_without_prefix(str(e))}") from e
         except TimeoutError:
@@ -482,7 +483,8 @@ class ExecPlugin:
             # Stopping: let the plugin's process finish and be reaped (bounded),
             # rather than leave its pipes to a loop that is about to close.
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(run, EXEC_CANCEL_WAIT)
+                async with asyncio.timeout(EXEC_CANCEL_WAIT):
+                    await run
             raise
         if type(status) is not dict:
             raise CredentialError(f"{self.where}: the plugin's status is not a mapping")

@@ -554,7 +554,8 @@ class StateFileSource:
             await self.load_async()
             while not self._stopped.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopped.wait(), self.interval)
+                    async with asyncio.timeout(self.interval):
+                        await self._stopped.wait()
                 if not self._stopped.is_set():
                     self._poll()
         finally:

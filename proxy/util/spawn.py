@@ -118,7 +118,8 @@ async def run(argv: list[str], stdin: str | None = None, timeout: float = 10.0) 
                 close_stdin()
         loop.add_reader(pidfd, on_exit)
         try:
-            await asyncio.wait_for(done, timeout)
+            async with asyncio.timeout(timeout):
+                await done
         except TimeoutError:
             proc.kill()
             raise subprocess.TimeoutExpired(argv, timeout) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import logging
@@ -29,7 +30,7 @@ import yaml
 from proxy.cli import main as kpx_main
 from proxy.sources.hub import StateHub
 from proxy.sources.kubeapi import KubeAPISource
-from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
+from proxy.sources.kubeconfig import ExecPlugin, KubeConfig, KubeConfigError
 from tests.support.apiserver import FakeAPIServer
 from tests.support.objects import endpoint_slice, node, service
 from tests.support.pki import make_pki
@@ -232,6 +233,46 @@ async def test_failing_exec_plugin_is_logged_and_retried(
     assert api.requests == [], "nothing is sent without a credential"
     assert "users[name=u]/user.exec: exec: process returned 3" in caplog.text
     assert "the identity provider said no" in caplog.text
+
+
+
+async def test_a_stop_as_the_plugin_finishes_is_never_lost() -> None:
+    """A source's stop cancels a reflector that may be waiting for its plugin. Python
+    3.11's ``asyncio.wait_for`` loses a cancel that comes in the loop turn its awaitable
+    finishes, and a reflector that lost it went on listing with no session. Here the
+    plugin finishes and the cancel comes 0, 1, 2, ... loop turns later: every cancel
+    that finds the refresh still running must end it."""
+    class Provider:
+        def __init__(self, finished: asyncio.Future[dict[str, str]]) -> None:
+            self.args = ["plugin"]
+            self.finished = finished
+
+        async def run(self) -> dict[str, str]:
+            return await self.finished
+
+    loop = asyncio.get_running_loop()
+    issued: list[int] = []
+    for turns in range(8):
+        finished: asyncio.Future[dict[str, str]] = loop.create_future()
+        plugin = ExecPlugin(Provider(finished), "users[name=u]/user.exec")
+        task = asyncio.create_task(plugin.refresh())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not task.done()
+
+        def cancel_after(n: int, task: asyncio.Task[bool] = task, turns: int = turns) -> None:
+            if n:
+                loop.call_soon(cancel_after, n - 1)
+            elif task.cancel():
+                issued.append(turns)
+
+        finished.set_result({"token": "t"})
+        cancel_after(turns)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if turns in issued:
+            assert task.cancelled(), f"a cancel {turns} loop turns after the plugin finished"
+    assert issued[:3] == [0, 1, 2], issued
 
 
 # -- TLS -----------------------------------------------------------------------------------

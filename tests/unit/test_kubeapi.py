@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
@@ -444,6 +445,89 @@ async def test_reload_relists_and_republishes(api: FakeAPIServer, start: Start) 
     for kind in api.objects:
         lists = api.of(kind, watch=False)
         assert len(lists) == 2 and "resourceVersion" not in lists[1].query
+
+
+
+class DeafWatch:
+    """A watch that, cancelled, does what Python 3.11's ``asyncio.wait_for`` does when
+    the thing it waits for finishes in the loop turn the cancel comes in: the cancel is
+    lost and the inner outcome (here a dropped connection) comes out instead.
+
+    ``active`` counts the watches in progress. ``stop`` stops the source and says
+    whether it ended on its own; if not, it lets the watches hear cancels again and
+    cancels every task that ever watched, so a regression fails instead of hanging.
+    """
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.hearing = False
+        self.watchers: set[asyncio.Task[Any]] = set()
+
+    async def __call__(self, kind: object) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.watchers.add(task)
+        self.active += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if self.hearing:
+                raise
+            raise aiohttp.ClientConnectionError("the watch ended as it was cancelled") from None
+        finally:
+            self.active -= 1
+
+    async def stop(self, source: KubeAPISource, task: asyncio.Task[None]) -> bool:
+        source.stop()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        if not done:
+            self.hearing = True
+            for t in self.watchers:
+                t.cancel()
+            await asyncio.wait({task, *self.watchers}, timeout=2)
+        return bool(done)
+
+
+async def deaf_source(api: FakeAPIServer) -> tuple[KubeAPISource, DeafWatch, list[Snapshot],
+                                                   asyncio.Task[None]]:
+    hub = StateHub()
+    seen: list[Snapshot] = []
+    hub.subscribe(seen.append)
+    source = KubeAPISource(KubeConfig(api.url), hub, NODE, **FAST)
+    deaf = DeafWatch()
+    source._watch = deaf  # type: ignore[method-assign]
+    return source, deaf, seen, asyncio.create_task(source.run())
+
+
+async def test_stop_ends_a_reflector_that_swallowed_its_cancel(
+    api: FakeAPIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    source, deaf, seen, task = await deaf_source(api)
+    try:
+        await eventually(lambda: deaf.active == 3 and len(seen) == 1)
+    finally:
+        # Without the check, each reflector logs the drop, backs off and watches again,
+        # waiting there for a cancel that already came: stop would never return.
+        assert await deaf.stop(source, task), "stop did not end the reflectors"
+    assert deaf.active == 0
+    assert "unexpected error" not in caplog.text
+
+
+async def test_reload_leaves_one_reflector_per_kind_when_a_cancel_is_swallowed(
+    api: FakeAPIServer,
+) -> None:
+    source, deaf, seen, task = await deaf_source(api)
+    try:
+        await eventually(lambda: deaf.active == 3 and len(seen) == 1)
+        replaced = list(source._tasks.values())
+        source.reload()
+        # The replaced reflectors saw their watch "drop"; they must end, not watch
+        # again beside their successors: one watch per kind, not two.
+        await eventually(lambda: len(seen) == 2 and deaf.active == 3
+                         and all(t.done() for t in replaced))
+        assert not any(t.done() for t in source._tasks.values())
+    finally:
+        assert await deaf.stop(source, task), "stop did not end the reflectors"
 
 
 # -- KubeConfig -------------------------------------------------------------------------
