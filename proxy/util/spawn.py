@@ -24,6 +24,8 @@ import os
 import subprocess
 from typing import NamedTuple
 
+from proxy.util.background import WORKER_NICE
+
 CHUNK = 1 << 16
 
 
@@ -33,9 +35,11 @@ class Result(NamedTuple):
     stderr: str
 
 
-# Every child runs SCHED_IDLE: an ``nft`` or ``ip -batch`` of 50,000 lines burns a
-# few hundred ms of CPU, which the relay's loop (and its state parser) should win
-# on a small node; the change lands when the CPU is free, a moment later.
+# Every child runs at the background workers' nice value (``WORKER_NICE``): an ``nft``
+# or ``ip -batch`` of 50,000 lines burns a few hundred ms of CPU, which the relay's
+# loop (and its state parser) should win on a small node. Not SCHED_IDLE, as it once
+# was: that yields to every task on the node, so where pods kept the CPUs busy a child
+# got next to none of them and a rule change ran into its timeout.
 
 
 async def run(argv: list[str], stdin: str | None = None, timeout: float = 10.0) -> Result:
@@ -52,7 +56,7 @@ async def run(argv: list[str], stdin: str | None = None, timeout: float = 10.0) 
     # Here and not in the child (a preexec_fn would make Popen fork): within
     # microseconds of its start, before it has done any real work.
     with contextlib.suppress(OSError):
-        os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, proc.pid, WORKER_NICE)
     assert proc.stdout is not None and proc.stderr is not None
     pidfd = os.pidfd_open(proc.pid)
     done: asyncio.Future[None] = loop.create_future()

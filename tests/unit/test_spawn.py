@@ -92,3 +92,21 @@ def _zombie_child(pid: int) -> bool:
     except OSError:
         return False
     return fields[0] == "Z" and int(fields[1]) == os.getpid()
+
+
+def test_a_child_runs_niced_not_idle() -> None:
+    """Below the loop, but not below every task on the node: a SCHED_IDLE child, as
+    kpx's once were, got next to no CPU on a node whose pods kept it busy (this
+    file's echo test ran into its timeout beside two busy loops; docs/PERFORMANCE.md).
+    The child reads its own policy once its stdin ends, which ``run`` writes only
+    after setting it."""
+    code = ("import os, sys; sys.stdin.read(); "
+            "print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))")
+    got: list[spawn.Result] = []
+
+    async def main() -> None:
+        got.append(await spawn.run([sys.executable, "-c", code], "x"))
+
+    run_on("uvloop", main)
+    policy, nice = map(int, got[0].stdout.split())
+    assert (policy, nice) == (os.SCHED_OTHER, spawn.WORKER_NICE), got
