@@ -18,6 +18,7 @@ applying it (``updated``) makes it healthy again.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 
@@ -29,6 +30,10 @@ from proxy.util.gcpause import gc_paused
 log = logging.getLogger(__name__)
 
 Reader = Callable[[Snapshot], None]
+
+FREEZE_AFTER_DOCUMENTS = 5000
+"""Freshly built documents above which a new state is moved to the GC's permanent
+generation (``gc.freeze``) as soon as it is built; see ``prepare_off_loop``."""
 
 
 class StateHub:
@@ -92,6 +97,33 @@ class StateHub:
 
     def _deliver(self, reader: Reader, snapshot: Snapshot) -> bool:
         return _call("reader", reader, snapshot)
+
+
+def prepare_off_loop(hub: StateHub, snapshot: Snapshot, fresh: int) -> None:
+    """A new snapshot's slow half, in the source's worker thread, before the loop
+    publishes it: every source of a big state does this, or the loop that forwards
+    stalls on it.
+
+    - ``fresh`` (the documents built anew for it) above ``FREEZE_AFTER_DOCUMENTS``:
+      the state is frozen out of the cyclic GC at once. After a 50,000-service
+      build the heap holds ~2 M new tracked objects, and the first full collection
+      that follows (triggered by any allocation, in any thread) walks them all
+      *holding the GIL* (docs/PERFORMANCE.md, "State file"): the loop stalls as if
+      it built the state itself. Frozen objects are never walked. A state is acyclic
+      (``proxy.util.gcpause``), so reference counting still frees it when it is
+      replaced; garbage *cycles* alive at this instant wait for the next unfreeze
+      (``gc_paused`` does one after each big build) instead of the next collection.
+    - The hub's preparers (the readers' plans), with the GC held off as for the
+      build: a collection walking the new plans holds the GIL too
+      (docs/PERFORMANCE.md, "GIL holds during a 50,000-service apply").
+    """
+    big = fresh > FREEZE_AFTER_DOCUMENTS
+    if big:
+        gc.freeze()
+    with gc_paused():
+        hub.prepare(snapshot)
+    if big:
+        gc.freeze()
 
 
 def _call(role: str, fn: Reader, snapshot: Snapshot) -> bool:

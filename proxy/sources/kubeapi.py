@@ -65,6 +65,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,9 @@ from proxy.k8s import (
     StateError,
     parse_objects,
 )
-from proxy.sources.hub import StateHub
+from proxy.sources.hub import StateHub, prepare_off_loop
 from proxy.sources.kubeconfig import CredentialError, KubeConfig, KubeConfigError
+from proxy.util.background import background_executor, loop_first
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +303,7 @@ class KubeAPISource:
         self._dirty = False
         self._force = False
         self._last_build_seconds = 0.0
+        self._executor: ThreadPoolExecutor | None = None
         self._published: Snapshot | None = None
         self._tracker = ChangeTracker()
         self._refused: tuple[str, ...] | None = None
@@ -360,6 +363,9 @@ class KubeAPISource:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
                 self._tasks.clear()
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False, cancel_futures=True)
+                    self._executor = None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -717,15 +723,25 @@ class KubeAPISource:
         self._build = asyncio.create_task(self._sync(), name="kubeapi-sync")
 
     async def _sync(self) -> None:
-        """Parse the whole cache (in a thread) and publish it if good and different."""
+        """Parse the whole cache and publish it if good and different.
+
+        The build, and the readers' plans for what will be published, run in
+        a niced worker thread with the loop first for the GIL, as the state
+        file's parse does (``prepare_off_loop``, ``proxy.util.background``):
+        a cluster of 50,000 services takes seconds to build, and the loop
+        forwards meanwhile.
+        """
         self._dirty = False
         documents = [obj for kind in self._kinds for obj in kind.objects.values()]
         changes = self._tracker.take(since=self.generation if self._published else None)
         started = time.perf_counter()
+        if self._executor is None:
+            self._executor = background_executor("kube-api")
         try:
-            snapshot, changed = await asyncio.to_thread(
-                _build, documents, self.generation + 1, self._published, changes
-            )
+            with loop_first():
+                snapshot, changed = await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._build_off_loop, documents, changes, self._force
+                )
         except StateError as err:
             self._tracker.merge(changes)
             self._refuse(err)
@@ -739,6 +755,15 @@ class KubeAPISource:
             self._build = None
             if self._dirty:
                 self._changed()
+
+    def _build_off_loop(self, documents: list[object], changes: Changes,
+                        force: bool) -> tuple[Snapshot, bool]:
+        """``_build``, then, for a snapshot that will be published, its slow half
+        (in the worker thread; reads only what ``_sync`` does not change meanwhile)."""
+        snapshot, changed = _build(documents, self.generation + 1, self._published, changes)
+        if changed or force:
+            prepare_off_loop(self.hub, snapshot, len(documents))
+        return snapshot, changed
 
     def _refuse(self, err: StateError) -> None:
         problems = tuple(err.problems)

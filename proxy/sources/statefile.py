@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import gc
 import logging
 import os
 import stat
@@ -69,9 +68,8 @@ from proxy import metrics
 from proxy.core.model import Snapshot
 from proxy.defaults import DEFAULT_MAX_BYTES
 from proxy.k8s import StateError, StateParser, decode_state
-from proxy.sources.hub import StateHub
+from proxy.sources.hub import StateHub, prepare_off_loop
 from proxy.util.background import background_executor, loop_first
-from proxy.util.gcpause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +104,6 @@ connection pays for them from then on, thread joined or not
 (docs/PERFORMANCE.md, "Threads and the relay"). A lab or bench node never
 needs the loader thread; a big state pays that cost, and would stall the
 loop for seconds without the thread."""
-
-
-FREEZE_AFTER_DOCUMENTS = 5000
-"""Freshly decoded documents above which a new state is moved to the GC's permanent
-generation (``gc.freeze``) as soon as it is built; see ``_keep_out_of_gc``."""
 
 
 _FILE_KINDS: tuple[tuple[Callable[[int], bool], str], ...] = (
@@ -345,38 +338,15 @@ class StateFileSource:
                 snapshot = self.parser.parse(decode_state(data), self.generation + 1)
             except StateError as err:
                 return _Outcome("refused", key=key, data=data, problems=tuple(err.problems))
-            big = self._keep_out_of_gc(snapshot)
-            # The readers' pure work (plans) too, while we are off the loop,
-            # with the GC held off as for the parse: a collection walking the
-            # new plans holds the GIL (docs/PERFORMANCE.md, "GIL holds during
-            # a 50,000-service apply").
-            with gc_paused():
-                self.hub.prepare(snapshot)
-            if big:
-                gc.freeze()
+            prepare_off_loop(self.hub, snapshot, self._fresh_documents(snapshot))
             return _Outcome("parsed", key=key, data=data, snapshot=snapshot,
                             seconds=time.perf_counter() - start)
 
-    def _keep_out_of_gc(self, snapshot: Snapshot) -> bool:
-        """Freeze a big new state at once, so no full collection walks it; True if big.
-
-        After a 50,000-service parse the heap holds ~2 M new tracked objects,
-        and the first full collection that follows (triggered by any
-        allocation, in any thread) walks them all *holding the GIL*
-        (docs/PERFORMANCE.md, "State file"): the loop stalls as if it parsed
-        itself. Frozen objects are never walked. A state is acyclic
-        (``proxy.util.gcpause``), so reference counting still frees it when it
-        is replaced; the cost is that garbage *cycles* alive at this instant
-        wait for the next unfreeze (``gc_paused`` does one after each big
-        build) instead of the next full collection.
-        """
+    def _fresh_documents(self, snapshot: Snapshot) -> int:
+        """Documents the last parse decoded anew (an incremental parse reuses the rest)."""
         last = self.parser.last
-        fresh = last.subset + last.pyyaml if last.mode == "chunks" else (
+        return last.subset + last.pyyaml if last.mode == "chunks" else (
             len(snapshot.services) + len(snapshot.slices))
-        if fresh <= FREEZE_AFTER_DOCUMENTS:
-            return False
-        gc.freeze()
-        return True
 
     def _finish(self, out: _Outcome) -> bool:
         """Log, count and publish what ``_read_and_parse`` found (on the loop's thread)."""

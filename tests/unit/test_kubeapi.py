@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import socket
 import ssl
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from proxy.sources.kubeapi import (
     _Backoff,
 )
 from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
+from proxy.util.background import LOOP_SWITCH_INTERVAL, WORKER_NICE
 from tests.support.apiserver import FakeAPIServer
 from tests.support.objects import endpoint_slice, node, service
 from tests.support.pki import make_pki
@@ -446,6 +450,41 @@ async def test_reload_relists_and_republishes(api: FakeAPIServer, start: Start) 
         lists = api.of(kind, watch=False)
         assert len(lists) == 2 and "resourceVersion" not in lists[1].query
 
+
+
+async def test_the_state_is_built_and_its_plans_made_off_the_loop(api: FakeAPIServer) -> None:
+    """As for a state file: the API's state is built, and the readers' plans made (the
+    hub's preparers), in a niced worker thread with the loop first for the GIL; the
+    loop only publishes. A cluster of 50,000 services takes seconds to build, and the
+    loop forwards meanwhile."""
+    hub = StateHub()
+    events: list[tuple[str, int, float, int]] = []
+
+    def record(what: str) -> Callable[[Snapshot], None]:
+        def call(snapshot: Snapshot) -> None:
+            events.append((what, threading.get_ident(), sys.getswitchinterval(),
+                           os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return call
+
+    hub.add_preparer(record("prepare"))
+    hub.subscribe(record("publish"))
+    source = KubeAPISource(KubeConfig(api.url), hub, NODE, **FAST)
+    task = asyncio.create_task(source.run())
+    try:
+        assert await source.wait_synced(5)
+        api.put(service("second", 30081))
+        await eventually(lambda: len(events) == 4)
+    finally:
+        source.stop()
+        await asyncio.wait_for(task, 2)
+    loop_thread = threading.get_ident()
+    assert [e[0] for e in events] == ["prepare", "publish"] * 2
+    for what, thread, interval, nice in events:
+        if what == "prepare":
+            assert thread != loop_thread, "the plans were made on the loop"
+            assert interval == pytest.approx(LOOP_SWITCH_INTERVAL) and nice == WORKER_NICE
+        else:
+            assert thread == loop_thread
 
 
 class DeafWatch:
