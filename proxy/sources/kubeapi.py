@@ -488,6 +488,7 @@ class KubeAPISource:
         assert kind.list_from is not None
         objects: dict[str, dict[str, Any]] = {}
         token: str | None = None
+        tokens: set[str] = set()
         pages = skipped = 0
         while True:
             params = {**kind.selectors, "limit": str(self.page_size)}
@@ -511,6 +512,15 @@ class KubeAPISource:
             token = meta.get("continue") or None
             if token is None:
                 break
+            # A token that comes back (a broken server or aggregator) would page for
+            # ever, as fast as the server answers: this list failed, and is retried
+            # after the backoff like any other failure.
+            if type(token) is not str or token in tokens:
+                raise _StreamError(
+                    f"{kind.plural} list: page {pages} gave the continue token {token!r}"
+                    f"{' again' if type(token) is str else ', which is not a string'}"
+                )
+            tokens.add(token)
         version = meta.get("resourceVersion")
         if type(version) is not str or not version:
             raise _StreamError(f"{kind.plural} list has no metadata.resourceVersion")

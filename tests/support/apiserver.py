@@ -116,6 +116,8 @@ class FakeAPIServer:
         """410 Gone as an HTTP status instead of an ERROR event in a 200 stream."""
         self.requests: list[Request] = []
         self.failures: dict[tuple[str, bool], list[int]] = {}
+        self.stuck_continue: dict[str, str] = {}
+        """Per kind: a continue token every page of a list gives, however far it got."""
         self._watchers: set[_Watcher] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -254,6 +256,8 @@ class FakeAPIServer:
         meta: dict[str, Any] = {"resourceVersion": str(self.rv)}
         if limit and start + limit < len(items):
             meta["continue"] = str(start + limit)
+        if kind in self.stuck_continue:
+            meta["continue"] = self.stuck_continue[kind]
         _, api_version, _ = PATHS[path]
         body = {"kind": f"{kind}List", "apiVersion": api_version, "metadata": meta, "items": page}
         return web.json_response(body)

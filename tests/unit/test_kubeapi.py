@@ -399,6 +399,27 @@ async def test_pagination(api: FakeAPIServer, start: Start) -> None:
     assert "resourceVersion" not in pages[1].query, "a continue token pins the version"
 
 
+async def test_a_continue_token_that_comes_back_is_a_failed_list(
+    api: FakeAPIServer, start: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that hands back the same continue token would be paged for ever, as fast
+    as it answers. The list fails instead, and is retried after the backoff."""
+    for i in range(5):
+        api.put(service(f"s{i}", 30100 + i))
+    api.stuck_continue["Service"] = "2"
+    run = await start(page_size=2, backoff_initial=0.05, backoff_max=0.05)
+    await eventually(lambda: len(api.of("Service", watch=False)) >= 6)
+    await asyncio.sleep(0.3)
+    lists = api.of("Service", watch=False)
+    # Two pages an attempt, one attempt per backoff: not a request per loop turn.
+    assert len(lists) <= 2 * (0.3 / 0.05 + 6), len(lists)
+    assert run.seen == [], "nothing is published before every kind is listed"
+    assert "services list: page 2 gave the continue token '2' again" in caplog.text
+    del api.stuck_continue["Service"]
+    snap = await run.published(1)
+    assert len(snap.services) == 6
+
+
 async def test_large_watch_event(api: FakeAPIServer, start: Start) -> None:
     """One slice bigger than aiohttp's 128 KiB line limit."""
     run = await start()
