@@ -235,7 +235,6 @@ async def test_failing_exec_plugin_is_logged_and_retried(
     assert "the identity provider said no" in caplog.text
 
 
-
 async def test_a_stop_as_the_plugin_finishes_is_never_lost() -> None:
     """A source's stop cancels a reflector that may be waiting for its plugin. Python
     3.11's ``asyncio.wait_for`` loses a cancel that comes in the loop turn its awaitable
