@@ -198,10 +198,10 @@ class _PortTable(NamedTuple):
     """The table in force it was made from."""
     ports: dict[PlanKey, PortState]
     balancers: dict[str, Balancer]
-    """Balancers of service ports that had none, to keep from now on."""
+    """Every service port's balancer: the ones it had, and new ones. A service port
+    that is gone has none here, so its balancer is dropped."""
     metrics: dict[str, PortMetrics]
-    live: set[str]
-    """The service ports of the plans: every other balancer is dropped."""
+    """Every service port's counters ever made: kept, as a Prometheus counter is."""
 
 
 def default_max_connections() -> int:
@@ -802,28 +802,32 @@ class Dataplane:
         """
         before = self.forwarder.ports
         balancers, metrics_of = self._balancers, self._metrics
-        new_balancers: dict[str, Balancer] = {}
+        kept: dict[str, Balancer] = {}
         new_metrics: dict[str, PortMetrics] = {}
         ports: dict[PlanKey, PortState] = {}
         for port, plan in plans.items():
             state = before.get(port)
+            key = plan.key
             if state is not None and state.plan is plan:
                 ports[port] = state
+                kept[key] = state.balancer
                 continue
-            key = plan.key
-            balancer = balancers.get(key)
+            balancer = kept.get(key)
             if balancer is None:
-                balancer = new_balancers.get(key)
+                balancer = balancers.get(key)
                 if balancer is None:
-                    balancer = new_balancers[key] = Balancer()
+                    balancer = Balancer()
+                kept[key] = balancer
             m = metrics_of.get(key)
             if m is None:
                 m = new_metrics.get(key)
                 if m is None:
                     m = new_metrics[key] = PortMetrics(key)
             ports[port] = PortState(plan, balancer, m)
-        live = {p.key for p in plans.values()}
-        return _PortTable(before, ports, new_balancers, new_metrics, live)
+        # Whole dicts, so that the loop swaps them in one assignment each: merging
+        # 50,000 new entries and sweeping out the gone ones took 32 ms on the loop.
+        metrics = {**metrics_of, **new_metrics} if new_metrics else metrics_of
+        return _PortTable(before, ports, kept, metrics)
 
     def _swap_plans(self, plans: dict[PlanKey, PortPlan], table: _PortTable | None = None) -> None:
         """Put ``plans`` in force; ``table`` is their ``_port_table`` if ``prepare`` made it.
@@ -834,15 +838,12 @@ class Dataplane:
         """
         if table is None or table.before is not self.forwarder.ports:
             table = self._port_table(plans)
-        self._balancers.update(table.balancers)
-        self._metrics.update(table.metrics)
+        self._balancers = table.balancers
+        self._metrics = table.metrics
         # One assignment: a connection accepted from here on sees the new
         # table, one accepted before keeps the PortState it started with.
         self.forwarder.ports = table.ports
         self._plans = plans
-        live = table.live
-        for key in [k for k in self._balancers if k not in live]:
-            del self._balancers[key]
 
     def _reconcile(self) -> None:
         """Start reconciling listeners to ``_desired``; a big change continues in slices."""
