@@ -60,7 +60,7 @@ import logging
 import resource
 import socket
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from healthz.proxy_health import ProxyHealth
@@ -99,10 +99,15 @@ LOG_EACH_LISTENER_UP_TO = 32
 VIPS_SETTLE = 5.0
 """Seconds a stopping kpx lets a VIP change in flight finish before cancelling it."""
 RECONCILE_BATCH = 128
-"""Listener operations (open, close, filter) per slice of the loop: about 2 ms of binds.
+"""Listener operations (open, close, filter) per slice of the loop: about 2 ms of binds
+on a fast machine. The first slice, inside ``apply``, does this many, so a sync with
+fewer changes is in force when ``apply`` returns.
 
 Small, because a slice delays every step of what waits behind it: an HTTP
 probe of /healthz takes five loop iterations, each one slice late."""
+RECONCILE_SLICE = 0.002
+"""Seconds after which a later slice yields even before ``RECONCILE_BATCH`` operations:
+on a slower machine 128 binds took 10 ms a slice (docs/PERFORMANCE.md)."""
 ListenerKey = tuple[str, int]
 Wanted = tuple[PlanKey, str]
 """A wanted listener's plan key and SYN filter: ``""`` or ``"external"``."""
@@ -327,6 +332,8 @@ class Dataplane:
                                        VIPWant | None]] = Prepared()
         """What ``prepare`` built for one sync: its wanted listeners and port table."""
         self._reconciling: Iterator[None] | None = None
+        self.clock: Callable[[], float] = time.perf_counter
+        """What a reconcile slice's budget is measured with (a test may step it)."""
         self._reconcile_handle: asyncio.Handle | None = None
         self._reconcile_started = 0.0
         self._node_ips: tuple[str, ...] = ()
@@ -855,17 +862,23 @@ class Dataplane:
         self._cancel_reconcile()
         self._reconcile_started = time.perf_counter()
         self._reconciling = self._reconcile_steps()
-        self._reconcile_slice()
+        self._reconcile_slice(budget=None)
 
-    def _reconcile_slice(self) -> None:
+    def _reconcile_slice(self, budget: float | None = RECONCILE_SLICE) -> None:
+        """Up to ``RECONCILE_BATCH`` steps, and, given a ``budget``, no more after it has
+        run out (``clock``); then the rest is called soon."""
         self._reconcile_handle = None
         steps = self._reconciling
         if steps is None:
             return
+        clock = self.clock
+        deadline = None if budget is None else clock() + budget
         for _ in range(RECONCILE_BATCH):
             if next(steps, StopIteration) is StopIteration:
                 self._reconciling = None
                 return
+            if deadline is not None and clock() >= deadline:
+                break
         # More to do: let connections and probes through first.
         self._reconcile_handle = self.loop.call_soon(self._reconcile_slice)
 

@@ -15,7 +15,7 @@ from lab.common import eventually
 from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
 from proxy.proxier import Proxier
-from proxy.userspace.dataplane import RECONCILE_BATCH, Dataplane
+from proxy.userspace.dataplane import RECONCILE_BATCH, RECONCILE_SLICE, Dataplane
 from tests.support.loops import run_on
 from tests.support.netns import in_fresh_netns
 from tests.support.wiring import sync_config
@@ -59,6 +59,40 @@ async def slices_then_supersede() -> None:
         assert ports(dp) == set(range(FIRST, FIRST + n // 3))
     finally:
         dp.close()
+
+
+async def later_slices_keep_to_their_budget() -> None:
+    """After the first slice (``RECONCILE_BATCH`` steps, inside ``apply``), a slice ends
+    once ``RECONCILE_SLICE`` has passed, however few steps it took: on a slow machine a
+    full batch was 10 ms of the loop. The clock is stepped: 1 ms a reading."""
+    n = 3 * RECONCILE_BATCH
+    dp = Dataplane(loop=asyncio.get_running_loop())
+    px = Proxier(sync_config(NODE), dataplane=dp)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.001
+        return now[0]
+
+    dp.clock = clock
+    try:
+        px.sync(big(n, 1))
+        # A whole batch of steps: the first only reaches the first listener's turn.
+        assert len(ports(dp)) == RECONCILE_BATCH - 1, "the first slice is a whole batch"
+        sizes: list[int] = []
+        while dp.reconciling():
+            before = len(ports(dp))
+            await asyncio.sleep(0)
+            sizes.append(len(ports(dp)) - before)
+        assert len(ports(dp)) == n
+        # The deadline is read before the first step and after each: 2 ms is two steps.
+        assert max(sizes) <= RECONCILE_SLICE / 0.001 + 1, sizes
+    finally:
+        dp.close()
+
+
+def test_later_slices_keep_to_their_time_budget(loop_kind: str) -> None:
+    in_fresh_netns("budget", run_on, loop_kind, later_slices_keep_to_their_budget, 60.0)
 
 
 def test_big_sync_yields_between_slices_and_a_newer_one_wins(loop_kind: str) -> None:
