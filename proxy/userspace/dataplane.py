@@ -15,11 +15,12 @@ Keeping the loop free during a big sync: ``prepare`` builds the forwarder's
 port table and the wanted listeners in the source's worker thread when the
 proxier offers it (``StateHub`` preparers), and ``apply`` on the loop finds
 them ready. ``apply`` swaps the decision table at once, then reconciles
-listeners ``RECONCILE_BATCH`` at a time, yielding to the loop between
-batches: binding 10,000 new listeners in one piece would hold every new
-connection and health probe for as long as that takes. A sync with fewer
-changes than one batch finishes inside ``apply``; a newer ``apply``
-supersedes the rest of an unfinished one.
+listeners ``RECONCILE_BATCH`` at a time (and, after the first batch, for
+at most ``RECONCILE_SLICE``), yielding to the loop between slices: binding
+10,000 new listeners in one piece would hold every new connection and health
+probe for as long as that takes. A sync with fewer changes than one batch
+finishes inside ``apply``; a newer ``apply`` supersedes the rest of an
+unfinished one.
 
 Per (address, nodePort), from the plan:
 
