@@ -80,7 +80,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
 from healthz.proxy_health import ProxyHealth
@@ -93,7 +92,7 @@ from proxy.lifecycle.ownership import live_pids
 from proxy.nfqueue import conntrack, netlink, rules
 from proxy.nfqueue.netlink import NF_ACCEPT, Verdict
 from proxy.util import spawn
-from proxy.util.background import background_executor, loop_first
+from proxy.util.background import OffLoop
 from proxy.util.lograte import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -418,7 +417,7 @@ class NfqueueDataplane:
         self._counts: dict[tuple[str, str], int] = {}
         """(service port, verdict) -> packets since the last ``flush_metrics``."""
         self._reader: threading.Thread | None = None
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker = OffLoop("nfqueue-sync")
         """The syncs' worker thread (``off_loop``), started at the first sync."""
         self._stop_reading = False
         self._wake_r = self._wake_w = -1
@@ -676,10 +675,7 @@ class NfqueueDataplane:
         importing it at once met a half-made module: ``ImportError: ...
         partially initialized module``.)
         """
-        if self._worker is None:
-            self._worker = background_executor("nfqueue-sync")
-        with loop_first():
-            return await self.loop.run_in_executor(self._worker, fn, *args)
+        return await self._worker.call(fn, *args)
 
     def _tabulate(self, plans: Mapping[PlanKey, PortPlan], hosts: tuple[str, ...],
                   udp_plans: Mapping[PlanKey, PortPlan], family: int = 4) -> Table:
@@ -988,8 +984,7 @@ class NfqueueDataplane:
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-        if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+        self._worker.close()
         self._stop_reader()
         if live_pids() - {os.getpid()}:
             log.info("nfqueue: another kpx is present; its rules stay")

@@ -65,7 +65,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +82,7 @@ from proxy.k8s import (
 )
 from proxy.sources.hub import StateHub, prepare_off_loop
 from proxy.sources.kubeconfig import CredentialError, KubeConfig, KubeConfigError
-from proxy.util.background import background_executor, loop_first
+from proxy.util.background import OffLoop
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +302,7 @@ class KubeAPISource:
         self._dirty = False
         self._force = False
         self._last_build_seconds = 0.0
-        self._executor: ThreadPoolExecutor | None = None
+        self._off_loop = OffLoop("kube-api")
         self._published: Snapshot | None = None
         self._tracker = ChangeTracker()
         self._refused: tuple[str, ...] | None = None
@@ -363,9 +362,7 @@ class KubeAPISource:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
                 self._tasks.clear()
-                if self._executor is not None:
-                    self._executor.shutdown(wait=False, cancel_futures=True)
-                    self._executor = None
+                self._off_loop.close()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -745,13 +742,10 @@ class KubeAPISource:
         documents = [obj for kind in self._kinds for obj in kind.objects.values()]
         changes = self._tracker.take(since=self.generation if self._published else None)
         started = time.perf_counter()
-        if self._executor is None:
-            self._executor = background_executor("kube-api")
         try:
-            with loop_first():
-                snapshot, changed = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self._build_off_loop, documents, changes, self._force
-                )
+            snapshot, changed = await self._off_loop.call(
+                self._build_off_loop, documents, changes, self._force
+            )
         except StateError as err:
             self._tracker.merge(changes)
             self._refuse(err)

@@ -60,7 +60,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +68,7 @@ from proxy.core.model import Snapshot
 from proxy.defaults import DEFAULT_MAX_BYTES
 from proxy.k8s import StateError, StateParser, decode_state
 from proxy.sources.hub import StateHub, prepare_off_loop
-from proxy.util.background import background_executor, loop_first
+from proxy.util.background import OffLoop
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +283,7 @@ class StateFileSource:
         self._wanted = False
         self._force = False
         self._loader: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._off_loop = OffLoop("state-file")
         """The loader's own thread (niced), not the loop's default pool."""
         self._stopped = asyncio.Event()
 
@@ -311,11 +310,7 @@ class StateFileSource:
             small = True  # read_state words the error, at no cost
         if small:
             return self.load(force)
-        loop = asyncio.get_running_loop()
-        if self._executor is None:
-            self._executor = background_executor("state-file")
-        with loop_first():
-            outcome = await loop.run_in_executor(self._executor, self._read_and_parse, force)
+        outcome = await self._off_loop.call(self._read_and_parse, force)
         return self._finish(outcome)
 
     def _read_and_parse(self, force: bool) -> _Outcome:
@@ -539,9 +534,7 @@ class StateFileSource:
             self._pending = self._settle_handle = None
             if self._loader is not None:
                 self._loader.cancel()
-            if self._executor is not None:
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = None
+            self._off_loop.close()
 
     def stop(self) -> None:
         self._stopped.set()

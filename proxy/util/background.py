@@ -2,8 +2,8 @@
 
 Owns: the policy for CPU-bound Python that runs beside the loop (a state
 parse, a sync's walk over every plan): ``background_executor``, one worker
-thread niced below the loop's, and ``loop_first``, the GIL switch interval
-held short while such work runs.
+thread niced below the loop's, ``loop_first``, the GIL switch interval
+held short while such work runs, and ``OffLoop``, the two together.
 
 Never: decide what runs in the background, or touch the interval outside a
 ``loop_first`` block (it restores what it found; nesting counts).
@@ -19,12 +19,14 @@ The worker's nice value settles the same contest for a core.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 LOOP_SWITCH_INTERVAL = 0.0002
 """``sys.setswitchinterval`` while background work runs (the default is 5 ms)."""
@@ -63,3 +65,30 @@ def loop_first() -> Iterator[None]:
         _users -= 1
         if _users == 0:
             sys.setswitchinterval(_saved)
+
+
+_T = TypeVar("_T")
+
+
+class OffLoop:
+    """One ``background_executor`` thread, made on first use, that the loop hands work
+    to and awaits, with itself first for the GIL meanwhile (``loop_first``).
+
+    What each source and dataplane that works off the loop needs; calls run one at a
+    time, in order. ``close`` drops the thread without waiting for a call in progress.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+
+    async def call(self, fn: Callable[..., _T], *args: object) -> _T:
+        if self._executor is None:
+            self._executor = background_executor(self.name)
+        with loop_first():
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
