@@ -27,10 +27,11 @@ and naive bind the IPv6 address, and kpx gets a dual-stack state
 (``bench_state(..., family=6)``). Only the NodePort paths (local, cross)
 run over IPv6.
 
-Two contenders are diagnostics, run only when named: ``nfq-floor``, kpx-nfq's rules
+Three contenders are diagnostics, run only when named: ``nfq-floor``, kpx-nfq's rules
 answered by a minimal C reader (``NfqFloor``), the floor kpx-nfq is measured against, and
-``nfq-pyfloor``, the same reader in Python (``NfqPyFloor``), the floor of a Python reader.
-Its cells off the IPv4 NodePort paths are n/a (``serves_path``).
+``nfq-pyfloor``, the same reader in Python (``NfqPyFloor``), the floor of a Python reader
+(their cells off the IPv4 NodePort paths are n/a, ``serves_path``); and ``relay-floor``,
+a minimal relay in C (``RelayFloor``), the floor kpx's relay is measured against.
 """
 
 from __future__ import annotations
@@ -892,18 +893,71 @@ class NfqPyFloor(NfqFloor):
         return [sys.executable, str(PYFLOOR_SOURCE)]
 
 
+RELAY_FLOOR_SOURCE = Path(__file__).with_name("relayfloor.c")
+
+
+class RelayFloor(ProcessContender):
+    """A minimal relay in C (``relayfloor.c``): the floor of a relay that terminates both
+    TCP connections on this machine.
+
+    One thread, one epoll set, no decision, no timeout: accept, connect to the pod, bytes
+    both ways, half-close and RST passed on, with the fewest syscalls a relay can make. So
+    in the same run the relay's gap to HAProxy (issue 15's cps and rr, cross path) splits
+    into what terminating both connections costs here (this one's gap to HAProxy) and what
+    kpx's Python costs on top (kpx's gap to this one). TCP only; asked for by name, never
+    by default.
+    """
+
+    name = "relay-floor"
+    description = ("a minimal relay in C, one thread, no decision: the floor of a relay that "
+                   "terminates both connections")
+    port_base = 30900
+    udp = False
+    no_udp = "a TCP relay only: the floor of the relay's TCP connections"
+
+    def unavailable(self) -> str | None:
+        if shutil.which("cc") is None:
+            return f"not available: no C compiler (cc) to build {RELAY_FLOOR_SOURCE.name}"
+        return None
+
+    def build(self) -> Path:
+        """``relayfloor.c`` compiled into the log directory, once per contender."""
+        binary = self.log_dir / "relayfloor"
+        if not binary.exists():
+            cp = sh(["cc", "-O2", "-o", str(binary), str(RELAY_FLOOR_SOURCE)], check=False,
+                    timeout=60)
+            if cp.returncode != 0:
+                raise ContenderError(
+                    f"cc {RELAY_FLOOR_SOURCE.name}: {cp.stderr.strip()[-300:]}")
+        return binary
+
+    def start(self, path: str) -> None:
+        super().start(path)
+        binary = self.build()
+        b = self.backend_ip()
+        t = self.target()
+        specs = [f"{host_port(t.ip, port)}={host_port(b, to)}"
+                 for port, to in ((t.http_port, HTTP_PORT), (t.bulk_port, BULK_PORT),
+                                  (t.iperf_port, IPERF_PORT))]
+        self.add_vip_route()
+        self.proc = Proc(f"{self.name}-{path}",
+                         self.topo.exec_argv("node1", [str(binary), *specs]),
+                         self.log_dir, nofile=nofile_hard_limit()).start()
+        self.wait_listening(self.proc, {t.http_port, t.bulk_port}, 10.0)
+
+
 CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq",
-                   "nfq-floor", "nfq-pyfloor")
+                   "nfq-floor", "nfq-pyfloor", "relay-floor")
 """Every contender, in run and report order."""
 UDP_ONLY = ("socat",)
 """Contenders that take part only in the udp workload: in the default list only
 when udp runs, so the default TCP run is the same as before they existed."""
-BY_NAME_ONLY = ("nfq-floor", "nfq-pyfloor")
+BY_NAME_ONLY = ("nfq-floor", "nfq-pyfloor", "relay-floor")
 """Diagnostic contenders, run only when ``--contenders`` names them."""
 CLASSES: dict[str, type[Contender]] = {
     "direct": Direct, "kernel": Kernel, "haproxy": HAProxy, "naive": Naive, "socat": Socat,
     "kpx": Kpx, "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue, "nfq-floor": NfqFloor,
-    "nfq-pyfloor": NfqPyFloor,
+    "nfq-pyfloor": NfqPyFloor, "relay-floor": RelayFloor,
 }
 
 
@@ -942,5 +996,6 @@ def make_contenders(names: list[str], topo: Topology, log_dir: Path,
         "kpx-nfq": KpxNfqueue(topo, log_dir, kpx, etp, udp_service=udp),
         "nfq-floor": NfqFloor(topo, log_dir, kpx, etp, udp_service=udp),
         "nfq-pyfloor": NfqPyFloor(topo, log_dir, kpx, etp, udp_service=udp),
+        "relay-floor": RelayFloor(topo, log_dir),
     }
     return [table[n] for n in names]

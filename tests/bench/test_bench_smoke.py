@@ -110,8 +110,9 @@ def test_every_contender_gives_a_figure_or_a_reason(tmp_path: Path) -> None:
     opened = cps_run.detail["counters"]["client"]["Tcp.ActiveOpens"]
     assert opened >= cps_run.detail["requests"], cps_run.detail
     assert "Tcp.ActiveOpens" not in cps_run.detail["counters"].get("node1", {})
-    floors = ["nfq-pyfloor", *(["nfq-floor"] if shutil.which("cc") is not None else [])]
-    for floor in floors:  # the NFQUEUE floors forward as kpx-nfq does
+    floors = ["nfq-pyfloor",
+              *(["nfq-floor", "relay-floor"] if shutil.which("cc") is not None else [])]
+    for floor in floors:  # the NFQUEUE floors forward as kpx-nfq does, the relay's relays
         for w in ("bulk", "rr", "cps"):
             cell = table.get("local", w, floor)
             assert cell is not None and cell.status == "ok", (floor, w, cell and cell.reason)

@@ -265,6 +265,18 @@ def test_the_nfqueue_floor_runs_only_when_named_and_only_where_it_can() -> None:
     assert NfqPyFloor.serves_path("local", 6)
 
 
+def test_the_relay_floor_runs_only_when_named_and_forwards_tcp_only() -> None:
+    """A diagnostic (issue 15): never in a default run, where a C program would be built;
+    every TCP workload on every path, no UDP."""
+    assert "relay-floor" not in cli.build_config(parse()).contenders
+    assert "relay-floor" not in cli.build_config(parse("--workloads", "udp")).contenders
+    cfg = cli.build_config(parse("--contenders", "haproxy,kpx,relay-floor"))
+    assert cfg.contenders == ["haproxy", "kpx", "relay-floor"]
+    assert all(serves("relay-floor", w, p, f) is None for w in ("bulk", "rr", "cps", "mem")
+               for p, f in (("local", 4), ("cross", 4), ("clusterip", 4), ("cross", 6)))
+    assert "TCP relay only" in (serves("relay-floor", "udp") or "")
+
+
 def test_report_rows_and_ratios_for_udp() -> None:
     t = CellTable()
     for name, rate, p99 in (("kernel", 140000.0, 0.9), ("socat", 40000.0, 2.8),
