@@ -571,7 +571,7 @@ class QueueSocket:
         """Send one config request and wait (until ``deadline``) for its ack."""
         seq = _NLMSGHDR.unpack_from(request)[3]
         self._sock.send(request)
-        for _ in range(64):  # acks of ours, and packets that came meanwhile
+        while True:  # acks of ours, and packets that came meanwhile: the deadline bounds it
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._sock], [], [], left)[0]:
                 break

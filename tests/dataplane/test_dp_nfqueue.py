@@ -35,6 +35,7 @@ from tests.support import backends
 from tests.support.netns import (
     Topology,
     connect_in,
+    fresh_netns,
     in_fresh_netns,
     in_netns,
     sh,
@@ -292,6 +293,44 @@ def test_without_a_queue_reader_syns_drop_unless_bypass(bypass: bool) -> None:
         else:
             with pytest.raises(TimeoutError):
                 connect_in(topo.client, (NODE_IP, FORWARD), 0.5)
+
+
+def test_a_successor_takes_over_a_queue_with_many_packets_waiting() -> None:
+    """A restart's successor adopts the predecessor's socket with everything queued meanwhile.
+
+    The kernel acks each config request after the packets already in the socket; the
+    successor reads them (keeping them for its first batch) until its ack comes, however
+    many there are, within the config deadline: giving up earlier closed the socket and
+    dropped every one of them.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a network namespace)")
+    waiting = 300
+    with fresh_netns("nfqadopt") as ns:
+        old = in_netns(ns, QueueSocket, QUEUE)
+        new = None
+        try:
+            sh("ip", "netns", "exec", ns, "iptables", "-w", "5", "-t", "mangle", "-A", "OUTPUT",
+               "-p", "udp", "--dport", "9999", "-j", "NFQUEUE", "--queue-num", str(QUEUE))
+
+            def send() -> None:
+                for _ in range(waiting):  # each from a port of its own: a new flow
+                    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as one:
+                        one.sendto(b"x", ("127.0.0.1", 9999))
+
+            in_netns(ns, send)
+            new = in_netns(ns, lambda: QueueSocket(QUEUE, adopt=old.socket))
+            got: list[netlink.Packet] = []
+            deadline = time.monotonic() + 5
+            while len(got) < waiting and time.monotonic() < deadline:
+                batch = new.read_batch()
+                new.send_verdicts([netlink.drop(p.packet_id) for p in batch])
+                got += batch
+            assert len(got) == waiting
+        finally:
+            if new is not None:
+                new.close()
+            old.close()
 
 
 # -- install and remove ------------------------------------------------------------------------
