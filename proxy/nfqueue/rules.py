@@ -443,15 +443,19 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
     mark = f"meta mark set meta mark | {q:#x}"
 
     def marking(hook: str) -> str:
-        # Most packets leave at the first or second line: a TCP segment that
-        # is not a bare SYN, a datagram of a flow conntrack already knows.
+        # A queued bit someone else set (SO_MARK, a MARK or CONNMARK rule) is
+        # cleared first, from every packet: the xt rule queues on that bit
+        # alone, and a segment that is not a bare SYN must never reach the
+        # reader, which would decide it as a new connection. Then most packets
+        # leave at the second or third line: a TCP segment that is not a bare
+        # SYN, a datagram of a flow conntrack already knows.
         stay = then if mechanism == "nft" else ""
         # IPv6 localhost is never a NodePort (see the module's docstring).
         loopback = "    ip6 daddr ::1 return\n" if family == 6 else ""
         return (
+            f"    meta mark & {q:#x} == {q:#x} meta mark set meta mark & {~q & 0xFFFFFFFF:#x}\n"
             f"    tcp flags & (fin | syn | rst | ack) != syn return\n"
             f"    meta l4proto udp ct state != new return\n"
-            f"    meta mark & {q:#x} == {q:#x} meta mark set meta mark & {~q & 0xFFFFFFFF:#x}\n"
             f"    ct status dnat return\n"
             f"{loopback}"
             f"    tcp dport @ports fib daddr type local {mark}{then}\n"

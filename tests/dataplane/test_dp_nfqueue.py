@@ -248,6 +248,23 @@ def test_an_endpoint_on_the_node_is_decided_once_for_a_node_process() -> None:
     assert peer[0] == NODE_IP
 
 
+def test_a_connection_whose_packets_carry_the_queued_bit_is_never_queued() -> None:
+    """Someone else's mark with the layout's queued bit (SO_MARK here; a MARK or CONNMARK
+    rule alike) is cleared from every packet before the marking chain returns: the xt rule
+    queues on that bit alone, and a mid-stream segment that reached the reader would be
+    decided as a new connection (dropped here, refused by kpx)."""
+    def marked() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, CFG.layout.queued)
+        s.settimeout(2)
+        s.connect((POD1_IP, BACKEND_PORT))
+        return s
+
+    with nfqueue_node() as node, in_netns(node.topo.node, marked) as s:
+        assert _ask(s, "PEER").startswith("pod1 10.77.2.1:")  # the node, toward pod1
+    assert node.decider.seen == []
+
+
 def test_only_the_syn_is_queued_while_the_bytes_flow_in_the_kernel() -> None:
     conns, size = 6, 1 << 20
     payload = bytes(range(256)) * (size // 256)
