@@ -892,9 +892,15 @@ class NfqueueDataplane:
                 continue
             by = tables.v6 if family == 6 else tables.v4
             plan = by.plan(proto, dst, dport)
-            if plan is None and (pending := self._pending) is not None:
-                by = pending.v6 if family == 6 else pending.v4
-                plan = by.plan(proto, dst, dport)
+            if plan is None:
+                # The tables being written; or, once ``_put`` has swapped them in (it sets
+                # ``_tables`` before it clears ``_pending``), the tables in force now.
+                later = self._pending
+                if later is None:
+                    later = self._tables
+                if later is not tables:
+                    by = later.v6 if family == 6 else later.v4
+                    plan = by.plan(proto, dst, dport)
             if plan is None:
                 # Served by neither table (the port went since it was queued).
                 append(netlink.accept(packet_id, lay.verdict_mark(packet_mark, lay.reject)))

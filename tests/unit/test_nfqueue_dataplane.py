@@ -260,6 +260,38 @@ def test_a_port_the_table_in_force_lacks_is_decided_by_the_table_being_written(
     assert dp.decided == {"forward": 1, "drop": 0, "reject": 0, "unknown": 1}
 
 
+class SwapDuringRead(FakeQueue):
+    """A batch read while the loop's ``_put`` puts the new tables in force: the reads
+    release the GIL, and ``_put`` ends with ``self._tables, self._pending = new, None``."""
+
+    def __init__(self, dp: NfqueueDataplane, batches: list[list[Packet]],
+                 new: Tables) -> None:
+        super().__init__(batches)
+        self.dp, self.new = dp, new
+
+    def read_batch(self, max_reads: int = 64) -> list[Packet]:
+        got = super().read_batch(max_reads)
+        self.dp._tables, self.dp._pending = self.new, None
+        return got
+
+
+def test_a_port_put_in_force_while_its_syn_was_read_is_decided_by_the_tables_now_in_force(
+        dataplane: NfqueueDataplane) -> None:
+    """The reader's tables are those of the batch's start; when the swap lands during the
+    batch's reads, neither they nor ``_pending`` (cleared) serve the new port: the tables
+    in force do, and a refusal would reset a client of a served port."""
+    dp = dataplane
+    dp._tables = Tables(dp._tabulate({}, ("0.0.0.0",), {}))
+    new = Tables(dp._tabulate(plans(A), ("0.0.0.0",), {}))  # type: ignore[arg-type]
+    dp._pending = new  # nft has it: the port's SYNs are queued
+    tables = dp._fresh(None)  # the reader's, at the top of its loop: the old ones
+    q = SwapDuringRead(dp, [[Packet(1, 0, syn(30080)), Packet(2, 0, syn(30099))]], new)
+    assert dp._take(q, tables, 1) == 2
+    lay = dp.cfg.layout
+    assert q.sent == [Verdict(1, NF_ACCEPT, lay.forward(1)),  # A's slot in force
+                      Verdict(2, NF_ACCEPT, lay.reject)]  # still served by no table
+
+
 def test_every_verdict_keeps_the_packets_own_mark_bits_outside_kpxs_mask(
         dataplane: NfqueueDataplane) -> None:
     """A mark verdict replaces the whole mark: the bits another program set (here 0x4001
