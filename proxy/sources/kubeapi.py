@@ -214,7 +214,9 @@ class _Kind:
     synced: bool = False
     """Listed at least once."""
     expiries: int = 0
-    """Watches expired since the last event: the first re-lists at once, the rest back off."""
+    """Watches expired since the last that lasted (``SHORT_WATCH_SECONDS``): the first
+    re-lists at once, the rest back off. An event does not reset it: a server that sends
+    one and then 410 Gone, every time, would be re-listed in a hot loop."""
 
     @property
     def plural(self) -> str:
@@ -559,6 +561,7 @@ class KubeAPISource:
         log.debug("watching %s from resourceVersion %s", kind.plural, kind.resource_version)
         started = time.monotonic()
         events = 0
+        from_version = kind.resource_version
         async with self._session.get(
             self._url(kind.path),
             params=params,
@@ -574,10 +577,16 @@ class KubeAPISource:
                 except ValueError as e:
                     raise _StreamError(f"undecodable watch event: {e}") from e
                 events += 1
+                if time.monotonic() - started >= SHORT_WATCH_SECONDS:
+                    kind.expiries = 0  # A watch that lasted: its expiry re-lists at once.
                 self._apply(kind, event)
         elapsed = time.monotonic() - started
-        if events == 0 and elapsed < SHORT_WATCH_SECONDS:
-            raise _StreamError("the watch closed at once without a single event")
+        # Progress is a resourceVersion that moved, not a line: an event that is ignored
+        # (an unknown type, no name) or a BOOKMARK at the same version moves nothing, and a
+        # server or proxy that ends every watch after one would be watched in a hot loop.
+        if elapsed < SHORT_WATCH_SECONDS and kind.resource_version == from_version:
+            raise _StreamError(f"the watch closed at once after {events} events, none of"
+                               " them progress")
         log.debug(
             "watch of %s ended after %.0fs and %d events; resuming at resourceVersion %s",
             kind.plural,
@@ -596,7 +605,6 @@ class KubeAPISource:
             raise APIError.from_status(obj, 500)
         meta = obj.get("metadata") if type(obj) is dict else None
         version = meta.get("resourceVersion") if type(meta) is dict else None
-        kind.expiries = 0
         if what in ("ADDED", "MODIFIED", "DELETED"):
             entry = self._prepare(kind, obj)
             if entry is None:

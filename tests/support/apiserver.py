@@ -118,6 +118,8 @@ class FakeAPIServer:
         self.failures: dict[tuple[str, bool], list[int]] = {}
         self.stuck_continue: dict[str, str] = {}
         """Per kind: a continue token every page of a list gives, however far it got."""
+        self.canned_watch: dict[str, list[dict[str, Any]]] = {}
+        """Per kind: the events every watch answers with, before it ends at once."""
         self._watchers: set[_Watcher] = set()
         self._runner: web.AppRunner | None = None
         self.url = ""
@@ -274,6 +276,9 @@ class FakeAPIServer:
             await resp.prepare(request)
             await resp.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
             return resp
+        if kind in self.canned_watch:
+            lines = b"".join(json.dumps(e).encode() + b"\n" for e in self.canned_watch[kind])
+            return web.Response(body=lines, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)

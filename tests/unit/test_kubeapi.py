@@ -42,7 +42,7 @@ from proxy.sources.kubeapi import (
 )
 from proxy.sources.kubeconfig import KubeConfig, KubeConfigError
 from proxy.util.background import LOOP_SWITCH_INTERVAL, WORKER_NICE
-from tests.support.apiserver import FakeAPIServer
+from tests.support.apiserver import FakeAPIServer, status
 from tests.support.objects import endpoint_slice, node, service
 from tests.support.pki import make_pki
 
@@ -296,6 +296,48 @@ async def test_a_server_that_keeps_expiring_is_not_hammered(
     await asyncio.sleep(0.25)
     lists = len(api.of("Service", watch=False))
     assert 2 <= lists <= 8, lists
+
+
+NO_PROGRESS = {
+    "unknown type": {"type": "SOMETHING", "object": {}},
+    "added without a name": {"type": "ADDED", "object": {"metadata": {}}},
+    "bookmark at the same version": {"type": "BOOKMARK",
+                                     "object": {"metadata": {"resourceVersion": "1"}}},
+}
+"""Watch events that move no resourceVersion: each is ignored, or changes nothing."""
+
+
+@pytest.mark.parametrize("event", NO_PROGRESS.values(), ids=NO_PROGRESS.keys())
+async def test_a_watch_that_ends_after_events_that_move_nothing_backs_off(
+    api: FakeAPIServer, start: Start, event: dict[str, Any]
+) -> None:
+    """Progress is a resourceVersion that moved, not a line received: a server (or a proxy)
+    that ends every watch after such an event is retried after the backoff, not at once."""
+    run = await start(backoff_initial=0.05, backoff_max=0.05)
+    await run.published(1)
+    api.put(node(NODE, NODE_IP, zone="a"))  # the bookmark's "1" is behind every kind's
+    api.canned_watch["Service"] = [event]
+    api.end_watches("Service")
+    before = len(api.of("Service", watch=True))
+    await asyncio.sleep(0.3)
+    watches = len(api.of("Service", watch=True)) - before
+    assert 1 <= watches <= 0.3 / 0.05 + 2, watches
+
+
+async def test_an_event_then_gone_every_time_backs_off(
+    api: FakeAPIServer, start: Start
+) -> None:
+    """An event before each 410 Gone is no reason to re-list at once again: only a watch
+    that lasted resets the count of expiries."""
+    run = await start(backoff_initial=0.05, backoff_max=0.05)
+    await run.published(1)
+    gone = {"type": "ERROR", "object": status(410, "Expired", "too old resource version")}
+    api.canned_watch["Service"] = [NO_PROGRESS["bookmark at the same version"], gone]
+    api.end_watches("Service")
+    before = len(api.of("Service", watch=False))
+    await asyncio.sleep(0.3)
+    lists = len(api.of("Service", watch=False)) - before
+    assert 1 <= lists <= 0.3 / 0.05 + 2, lists
 
 
 async def test_dropped_watch_resumes_without_relisting(
