@@ -48,6 +48,32 @@ from proxy.k8s.problems import StateError
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 """libyaml's loader is ~10x faster than the pure-Python one; same safety."""
 
+_CONSTRUCT_ERRORS = (ValueError, TypeError, KeyError, AttributeError, OverflowError)
+"""What PyYAML's scalar constructors raise on text their resolver let through:
+``2020-13-45`` (a timestamp by its regex), a 5,000-digit int, ``!!int zz``."""
+
+
+class _ValueError(yaml.constructor.ConstructorError):
+    """A scalar PyYAML parsed but cannot build: well-formed YAML, a value wrong for its tag."""
+
+
+class _Loader(_LOADER):  # type: ignore[misc, valid-type]
+    """``_LOADER`` whose constructor errors are YAML errors at the value's line and column.
+
+    One Python frame more per node built, on PyYAML's road only (the subset reader
+    builds most documents without it): what it costs is within a parse's spread.
+    """
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except _CONSTRUCT_ERRORS as err:
+            value = node.value if isinstance(node.value, str) else ""
+            shown = value if len(value) <= 40 else value[:37] + "..."
+            tag = node.tag.rsplit(":", 1)[-1]
+            raise _ValueError(None, None, f"cannot read {shown!r} as {tag}: {err}",
+                              node.start_mark) from None
+
 
 # -- decoding ---------------------------------------------------------------------------
 
@@ -79,7 +105,8 @@ def _yaml_error_detail(err: yaml.MarkedYAMLError, line_offset: int = 0) -> str:
 
 def _yaml_problem(err: yaml.YAMLError, line_offset: int = 0) -> StateError:
     if isinstance(err, yaml.MarkedYAMLError):
-        return StateError([f"YAML syntax error at {_yaml_error_detail(err, line_offset)}"])
+        what = "value" if isinstance(err, _ValueError) else "syntax"
+        return StateError([f"YAML {what} error at {_yaml_error_detail(err, line_offset)}"])
     return StateError([f"YAML error: {err}"])
 
 
@@ -175,7 +202,7 @@ def _pyyaml(text: str, line_offset: Callable[[], int] = int) -> list[object]:
                 ]
             )
     try:
-        return list(yaml.load_all(text, Loader=_LOADER))
+        return list(yaml.load_all(text, Loader=_Loader))
     except RecursionError:
         # Only the pure-Python loader recurses in Python; ``_MAX_DEPTH`` keeps it
         # far from the limit, unless the caller's own stack is already deep.
@@ -273,7 +300,10 @@ def _plain(text: str) -> object:
     construct = _PLAIN_CONSTRUCTORS.get(tag)
     if construct is None:
         return _DECLINE
-    return construct(_SCALARS, ScalarNode(tag, text))
+    try:
+        return construct(_SCALARS, ScalarNode(tag, text))
+    except _CONSTRUCT_ERRORS:
+        return _DECLINE  # PyYAML reports it, with its line (``_Loader``).
 
 
 # JSON.

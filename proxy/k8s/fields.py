@@ -257,6 +257,13 @@ def _shown(key: str) -> str:
     return _quote(key)
 
 
+def _number(value: int | float) -> str:
+    """A number for a problem; an int too long to print (over 4300 digits raises) by size."""
+    if type(value) is int and value.bit_length() > 64:
+        return f"{'-' if value < 0 else ''}{value.bit_length()}-bit number"
+    return repr(value)
+
+
 def _describe(value: object) -> str:
     """``string "80"``, ``integer 7``, ``list``: what a wrong value was, briefly."""
     name = _TYPE_NAMES.get(type(value), type(value).__name__)
@@ -266,7 +273,7 @@ def _describe(value: object) -> str:
     if type(value) is bool:
         return f"{name} {str(value).lower()}"
     if type(value) in (int, float):
-        return f"{name} {value!r}"
+        return f"{name} {_number(value)}"  # type: ignore[arg-type]
     return name
 
 
@@ -454,7 +461,7 @@ class _Fields:
         if type(value) is int:
             if low <= value <= high:
                 return value
-            self.fail(prefix + key, f"{value} is out of range {low}-{high}")
+            self.fail(prefix + key, f"{_number(value)} is out of range {low}-{high}")
         elif value is not None:
             self.wrong_type(prefix + key, "integer", value)
         return default
@@ -468,7 +475,7 @@ class _Fields:
             if required:
                 self.fail(prefix + key, "required")
         elif type(value) is int:
-            self.fail(prefix + key, f"{value} is out of range 1-65535")
+            self.fail(prefix + key, f"{_number(value)} is out of range 1-65535")
         else:
             self.wrong_type(prefix + key, "integer", value)
         return 0

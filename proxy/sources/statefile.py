@@ -59,6 +59,7 @@ import stat
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,6 +334,15 @@ class StateFileSource:
                 snapshot = self.parser.parse(decode_state(data), self.generation + 1)
             except StateError as err:
                 return _Outcome("refused", key=key, data=data, problems=tuple(err.problems))
+            except Exception as err:
+                # A bug in the parser: the state is refused (once per content, as any
+                # refusal), never a crash or a traceback at every poll. Where it broke
+                # goes with it, for the bug report.
+                frame = traceback.extract_tb(err.__traceback__)[-1]
+                return _Outcome("refused", key=key, data=data, problems=(
+                    f"kpx could not parse this state (a bug in kpx, please report it):"
+                    f" {type(err).__name__}: {err} at {Path(frame.filename).name}:"
+                    f"{frame.lineno}",))
             prepare_off_loop(self.hub, snapshot, self._fresh_documents(snapshot))
             return _Outcome("parsed", key=key, data=data, snapshot=snapshot,
                             seconds=time.perf_counter() - start)

@@ -572,3 +572,51 @@ def test_state_error_escapes_whatever_reaches_it() -> None:
     err = StateError(["line one\nCRITICAL forged", "tab\there", "fine"])
     assert err.problems == ["line one\\nCRITICAL forged", "tab\\there", "fine"]
     assert str(err).splitlines() == err.problems
+
+
+# -- values PyYAML's constructors cannot build -------------------------------------------
+
+UNBUILDABLE = {
+    "impossible date": "2020-13-45",
+    "Feb 30": "2020-02-30T10:00:00Z",
+    "zone offset out of range": "2001-12-14t21:59:43.10-99:99",
+    "5000-digit int": "1" * 5000,
+    "!!int on text": "!!int 'zz'",
+    "!!float on text": "!!float 'zz'",
+    "!!bool on text": "!!bool 'zz'",
+    "!!timestamp on text": "!!timestamp 'xx'",
+}
+"""Plain scalars that PyYAML's resolver takes for a date or a number (or that a tag makes
+one) and its constructor then fails to build, with a ValueError, KeyError or the like
+rather than a YAML error."""
+
+
+def with_label(value: str) -> str:
+    """A good state and a second Service that carries ``value`` as a label's value."""
+    other = ("apiVersion: v1\nkind: Service\nmetadata:\n  name: other\n  namespace: default\n"
+             f"  labels:\n    app: {value}\nspec:\n  clusterIP: 10.96.0.99\n  ports:\n"
+             "  - port: 80\n    protocol: TCP\n    targetPort: 8080\n")
+    return yaml.safe_dump_all([NODE, SERVICE, SLICE]) + "---\n" + other
+
+
+@pytest.mark.parametrize("value", UNBUILDABLE.values(), ids=UNBUILDABLE.keys())
+def test_a_value_yaml_cannot_build_is_a_problem_at_its_line(value: str) -> None:
+    found = problems(with_label(value))
+    line = with_label(value).split("\n").index(f"    app: {value}") + 1
+    assert len(found) == 1, found
+    assert found[0].startswith(f"YAML value error at line {line}, column "), found
+    assert "cannot read" in found[0], found
+    assert len(found[0]) < 400, "a huge value is shown cut short"
+
+
+@pytest.mark.parametrize(("value", "bits"), [("0b" + "1" * 15000, 15000),
+                                             ("1" + ":59" * 2600, 15359)],
+                         ids=["binary", "sexagesimal"])
+def test_a_number_too_long_to_print_is_named_by_its_size(value: str, bits: int) -> None:
+    """Python prints no int of over 4,300 digits; a base-2 or base-60 one is built anyway."""
+    assert problems(with_label(value)) == [
+        f'Service default/other: metadata.labels["app"]: expected a string, got integer'
+        f" {bits}-bit number"]
+    port = yaml.safe_dump(SERVICE).replace("port: 80\n", f"port: {value}\n", 1)
+    assert problems(port) == [
+        f"Service default/web: spec.ports[0].port: {bits}-bit number is out of range 1-65535"]

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -303,3 +304,57 @@ async def test_the_loop_keeps_ticking_while_a_big_state_is_parsed(tmp_path: Path
         f"the loop's thread ran {ticker.max_busy:.3f}s of CPU without a tick"
     )
     assert ticker.max_lag < took / 3, f"the loop stalled {ticker.max_lag:.3f}s in {took:.2f}s"
+
+
+# -- a state kpx cannot build, or cannot parse ------------------------------------------
+
+UNBUILDABLE_SERVICE = (
+    "---\napiVersion: v1\nkind: Service\nmetadata:\n  name: other\n  namespace: default\n"
+    "  labels:\n    app: 2020-13-45\nspec:\n  clusterIP: 10.96.0.99\n  ports:\n"
+    "  - port: 80\n    protocol: TCP\n    targetPort: 8080\n")
+"""A label value PyYAML takes for a date and cannot build."""
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on-the-loop", "off-the-loop"])
+async def test_a_value_yaml_cannot_build_is_refused_once_and_the_last_state_stays(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, inline: bool
+) -> None:
+    path = tmp_path / "state.yaml"
+    path.write_text(state(3))
+    hub = StateHub()
+    rec = Recorder(hub)
+    src = StateFileSource(path, hub, interval=0.02)
+    src.inline_max_bytes = 10**7 if inline else 0
+    task = asyncio.create_task(src.run())
+    try:
+        await eventually(lambda: rec.services() == [3], 5, what="the first state")
+        with caplog.at_level(logging.ERROR, logger="proxy.sources.statefile"):
+            path.write_text(state(3) + UNBUILDABLE_SERVICE)
+            await eventually(lambda: "2020-13-45" in caplog.text, 5, what="the refusal")
+            await asyncio.sleep(0.3)  # fifteen polls more
+    finally:
+        await stop(src, task)
+    assert rec.services() == [3]
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    line = state(3).count("\n") + 8  # the label's line in the file
+    assert (f"YAML value error at line {line}, column 10: cannot read '2020-13-45' as"
+            " timestamp: month must be in 1..12") in errors[0], errors[0]
+
+
+def test_a_parser_bug_refuses_the_state_and_says_where(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever the parser raises is a refusal (the last state stays), never a crash of the
+    source; it names the bug's place, for the report."""
+    path = tmp_path / "state.yaml"
+    path.write_text(state(3))
+    src = StateFileSource(path, StateHub())
+    assert src.load() is True
+    path.write_text(state(4))
+    with (mock.patch.object(src.parser, "parse", side_effect=KeyError("slots")),
+          caplog.at_level(logging.ERROR, logger="proxy.sources.statefile")):
+        assert src.load() is False
+    assert "the last good state stays in force" in caplog.text
+    assert ("kpx could not parse this state (a bug in kpx, please report it): KeyError:"
+            " 'slots' at mock.py:") in caplog.text
