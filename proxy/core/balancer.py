@@ -15,22 +15,33 @@ eligible or just failed is replaced by a fresh pick.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
 from proxy.core.endpoints import EndpointInfo
 
 _REAP_EVERY = 1024
 """Sweep expired affinity records after this many picks, bounding memory."""
+MAX_STICKY = 65536
+"""Affinity records kept per service port at most; past it the least recently used goes,
+as kube-proxy's nftables mode bounds its affinity sets (65535 elements). A UDP client's
+source costs it nothing to vary, so without a bound its records would pin memory for the
+whole affinity timeout."""
 
 
 class Balancer:
-    """Round-robin cursor plus ClientIP affinity records for one service port."""
+    """Round-robin cursor plus ClientIP affinity records for one service port.
+
+    The records are kept in the order of their last use, oldest first (an
+    ``OrderedDict``: moving one to the end, and dropping the oldest, are O(1)),
+    so both the bound and the reaping of expired records touch only the front.
+    """
 
     __slots__ = ("_cursor", "_picks", "_sticky")
 
     def __init__(self) -> None:
         self._cursor = 0
-        self._sticky: dict[str, tuple[tuple[str, int], float]] = {}
+        self._sticky: OrderedDict[str, tuple[tuple[str, int], float]] = OrderedDict()
         self._picks = 0
 
     def pick(
@@ -56,16 +67,22 @@ class Balancer:
         self._picks += 1
         if self._picks % _REAP_EVERY == 0:
             self.reap(now, affinity_seconds)
-        record = self._sticky.get(client_ip)
+        sticky = self._sticky
+        record = sticky.get(client_ip)
         if record is not None:
             addr, last = record
             if now - last < affinity_seconds:
                 for c in candidates:
                     if c.addr == addr:
-                        self._sticky[client_ip] = (addr, now)
+                        sticky[client_ip] = (addr, now)
+                        sticky.move_to_end(client_ip)
                         return c
         chosen = self._next(candidates)
-        self._sticky[client_ip] = (chosen.addr, now)
+        sticky[client_ip] = (chosen.addr, now)
+        if record is not None:
+            sticky.move_to_end(client_ip)
+        elif len(sticky) > MAX_STICKY:
+            sticky.popitem(last=False)
         return chosen
 
     def _next(self, candidates: Sequence[EndpointInfo]) -> EndpointInfo:
@@ -78,10 +95,17 @@ class Balancer:
         self._sticky.pop(client_ip, None)
 
     def reap(self, now: float, affinity_seconds: float) -> None:
-        """Remove expired records so idle clients do not pin memory forever."""
-        self._sticky = {
-            k: v for k, v in self._sticky.items() if now - v[1] < affinity_seconds
-        }
+        """Remove expired records so idle clients do not pin memory forever.
+
+        The oldest use comes first, so only the expired records are visited
+        (``now`` never goes back: the callers read a monotonic clock).
+        """
+        sticky = self._sticky
+        while sticky:
+            client_ip, (_, last) = next(iter(sticky.items()))
+            if now - last < affinity_seconds:
+                break
+            del sticky[client_ip]
 
     def sticky_target(self, client_ip: str) -> tuple[str, int] | None:
         record = self._sticky.get(client_ip)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
+from proxy.core import balancer
 from proxy.core.balancer import Balancer
 from proxy.core.endpoints import EndpointInfo
 
@@ -144,3 +147,29 @@ def test_memory_is_bounded_by_periodic_reaping() -> None:
         b.pick(EPS, CLIENT, 1000.0 + t, TIMEOUT)
     assert all(b.sticky_target(f"10.1.{i // 250}.{i % 250}") is None for i in range(1000))
     assert b.sticky_target(CLIENT) is not None
+
+
+def test_records_are_bounded_and_the_least_recently_used_goes_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A UDP client varies its source for free: past ``MAX_STICKY`` records, the one used
+    longest ago is dropped, never a client that keeps coming."""
+    monkeypatch.setattr(balancer, "MAX_STICKY", 4)
+    b = Balancer()
+    for i in range(4):
+        b.pick(EPS, f"198.51.100.{i}", float(i), TIMEOUT)
+    b.pick(EPS, "198.51.100.0", 4.0, TIMEOUT)  # the first one comes back: the newest now
+    for i in range(10, 13):
+        b.pick(EPS, f"198.51.100.{i}", float(i), TIMEOUT)
+    kept = [c for c in (f"198.51.100.{i}" for i in (*range(4), *range(10, 13)))
+            if b.sticky_target(c) is not None]
+    assert kept == ["198.51.100.0", "198.51.100.10", "198.51.100.11", "198.51.100.12"]
+
+
+def test_a_flood_of_sources_keeps_the_records_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(balancer, "MAX_STICKY", 1000)
+    b = Balancer()
+    for i in range(50_000):
+        b.pick(EPS, f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}", i / 1000, TIMEOUT)
+    assert len(b._sticky) == 1000
+    assert b.sticky_target("10.0.195.79") is not None  # the last one, i = 49,999
