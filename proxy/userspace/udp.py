@@ -76,6 +76,8 @@ IPV6_PKTINFO = 50
 IPV6_RECVORIGDSTADDR = 74
 IPV6_ORIGDSTADDR = 74
 IPV6_TRANSPARENT = 75
+IPV6_CHECKSUM = 7
+"""A raw IPv6 socket's option: the offset of the checksum the kernel fills in."""
 IPV6_LOOPBACK = "::1"
 DATAGRAM_MAX = 65535
 BATCH = 64
@@ -235,6 +237,36 @@ class UdpFront:
             s.sendmsg([data], [(socket.SOL_IP, IP_PKTINFO, pktinfo(source))], 0, client)
 
 
+class _RawReply:
+    """Sends from ``VIP:port`` without binding it: a raw UDP socket, the header written here."""
+
+    def __init__(self, local: tuple[str, int]) -> None:
+        six = ":" in local[0]
+        s = socket.socket(_family(local[0]), socket.SOCK_RAW | socket.SOCK_NONBLOCK,
+                          socket.IPPROTO_UDP)
+        try:
+            synfilter.attach(s, _DROP_ALL)  # a raw UDP socket would see every datagram
+            if six:
+                s.setsockopt(socket.IPPROTO_IPV6, IPV6_CHECKSUM, 6)  # the kernel sums it
+                s.setsockopt(socket.IPPROTO_IPV6, IPV6_TRANSPARENT, 1)
+            else:
+                s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
+            s.bind((local[0], 0))
+        except BaseException:
+            s.close()
+            raise
+        self.sock = s
+        self.port = local[1]
+
+    def sendto(self, data: bytes, client: tuple[str, int]) -> None:
+        # IPv4: checksum 0 (none); IPv6: filled in by the kernel (IPV6_CHECKSUM).
+        head = struct.pack("!HHHH", self.port, client[1], 8 + len(data), 0)
+        self.sock.sendto(head + data, (client[0], 0))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class UdpForwarder:
     """Every UDP front socket, flow and upstream socket of one kpx process."""
 
@@ -250,7 +282,7 @@ class UdpForwarder:
         self.ports: dict[PlanKey, UdpPort] = {}
         """By plan key, the served UDP plans (a plan without endpoints has no entry)."""
         self.counts = UdpCounts()
-        self._reply_socks: dict[tuple[str, int], socket.socket] = {}
+        self._reply_socks: dict[tuple[str, int], socket.socket | _RawReply] = {}
         self._expiry: asyncio.TimerHandle | None = None
         self._flush: asyncio.TimerHandle | None = None
         metrics.UDP_FLOWS_ACTIVE.set_function(lambda: len(self.flows))
@@ -266,10 +298,14 @@ class UdpForwarder:
         """
         old = self.ports
         balancers = {p.plan.key: p.balancer for p in old.values()}
-        self.ports = {
-            key: UdpPort(plan, balancers.get(plan.key) or Balancer())
-            for key, plan in plans.items() if plan.listen
-        }
+        ports: dict[PlanKey, UdpPort] = {}
+        for key, plan in plans.items():
+            if plan.listen:  # one balancer per service port, its NodePort and VIPs alike
+                balancer = balancers.get(plan.key)
+                if balancer is None:
+                    balancer = balancers[plan.key] = Balancer()
+                ports[key] = UdpPort(plan, balancer)
+        self.ports = ports
         if old.keys() - self.ports.keys():  # only then can a flow have lost its port
             for f in [f for f in self.flows if f.plan.table_key not in self.ports]:
                 self._end(f)
@@ -383,6 +419,18 @@ class UdpForwarder:
             return
         sock, front = up
         client, local = flow.client, flow.local
+        port = self.ports.get(flow.plan.table_key)
+        if port is None or (port.plan is not flow.plan and not still_eligible(
+                port.plan, flow.endpoint, client[0], self.tcp.local_addresses,
+                self.tcp.cluster_cidrs)):
+            # The endpoint left the plan in force (removed, not ready, no longer a
+            # candidate): what it still sends is not forwarded, and its flow ends.
+            self.counts.repicked += 1
+            self._end(flow)
+            self._dirty()
+            return
+        if port.plan is not flow.plan:
+            flow.plan = port.plan
         vip_reply = front.table_key is None
         c = self.counts
         for _ in range(BATCH):
@@ -410,8 +458,13 @@ class UdpForwarder:
             self.flows.touch(flow, time.monotonic(), reply=True)
         self._dirty()
 
-    def _reply_socket(self, local: tuple[str, int]) -> socket.socket:
-        """The socket that answers from ``VIP:port``; bound on first use, never reading."""
+    def _reply_socket(self, local: tuple[str, int]) -> socket.socket | _RawReply:
+        """The socket that answers from ``VIP:port``; bound on first use, never reading.
+
+        A node process holding the port on the wildcard address (without
+        SO_REUSEADDR) makes that bind fail: a raw socket then writes the UDP
+        header itself, with ``VIP:port`` as its source.
+        """
         s = self._reply_socks.get(local)
         if s is None:
             six = ":" in local[0]
@@ -425,6 +478,11 @@ class UdpForwarder:
                 else:
                     s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
                 s.bind(local)
+            except OSError as exc:
+                s.close()
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                s = _RawReply(local)
             except BaseException:
                 s.close()
                 raise

@@ -442,6 +442,9 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"    {ip} daddr . udp dport @udp_drop_external {ip} saddr != @passed"
         f" fib saddr type != local counter drop\n"
         f"    {ip} daddr . udp dport @udp_served return\n"
+        # kpx's own answer from a served VIP:port to a node client whose source
+        # is the VIP itself (an unbound socket: a local route has no src).
+        f"    meta iif lo {ip} saddr . udp sport @udp_served return\n"
         f"    counter reject with {unreachable}\n"
         f"  }}\n"
         f"  chain guard {{\n"

@@ -53,7 +53,7 @@ from tests.dataplane.test_dp_ipv6 import (
 )
 from tests.support.driver import Driver
 from tests.support.loops import run_on
-from tests.support.netns import PY, Topology, in_fresh_netns, prefix, sh
+from tests.support.netns import PY, Topology, in_fresh_netns, in_netns, prefix, sh
 from tests.support.objects import endpoint_slice, service
 
 pytestmark = pytest.mark.lab
@@ -330,3 +330,24 @@ async def _fault_is_ipv6s() -> None:
 
 def test_the_ipv6_vips_health_fault_is_ipv6s_only() -> None:
     in_fresh_netns("v6f", run_on, "uvloop", _fault_is_ipv6s, 30.0)
+
+
+def test_ipv6_udp_vip_answers_when_a_node_process_holds_its_port(
+        topo: Topology, driver: Driver) -> None:
+    """A node process on UDP [::]:53 keeps kpx from binding [VIP]:53 to answer from: it
+    answers through a raw socket instead, the UDP checksum the kernel's (IPV6_CHECKSUM)."""
+    port = 8083
+    p = topo.popen(topo.pod1, PY, "-c", UDP_ECHO, str(port), "pod1", stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+
+    def hold() -> socket.socket:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        s.bind(("::", 53))
+        return s
+
+    holder = in_netns(topo.node, hold)
+    try:
+        driver.start(n1(), *svc6("dns6", VIP6, LOCAL, port=53, protocol="UDP", target=port))
+        assert udp6(topo.client, (VIP6, 53)) == f"pod1 {NODE_POD1_6}"
+    finally:
+        holder.close()
