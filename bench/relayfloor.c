@@ -3,7 +3,8 @@
  *
  * One thread and one epoll set, no decision, no timeout and no log: accept4 (up to 64
  * per wake-up, the listener level-triggered), a non-blocking connect to the listener's
- * one backend (TCP_NODELAY, as kpx's upstream socket), then bytes both ways through one
+ * one backend, TCP_NODELAY on both sockets (as HAProxy: a response that comes in two
+ * segments is not held back for an ACK), then bytes both ways through one
  * 16 KiB buffer per direction (HAProxy's default bufsize). Both sockets are registered
  * once, edge-triggered, for reads and writes: no epoll_ctl after that. A half-close is
  * passed on as shutdown(SHUT_WR), or as close() once the other way is done too; an error
@@ -217,6 +218,7 @@ static void on_listener(struct listener *l) {
             continue;
         }
         setsockopt(ufd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         if (connect(ufd, (struct sockaddr *)&l->backend, l->backend_len) < 0 &&
             errno != EINPROGRESS) {
             close(ufd);
