@@ -36,12 +36,15 @@ SYNC_LAST_TIMESTAMP = Gauge(
 SYNC_LAST_QUEUED_TIMESTAMP = Gauge(
     "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
     "The last time a sync of proxy rules was queued",
+    ["ip_family"],
     registry=REGISTRY,
 )
 NETWORK_PROGRAMMING_DURATION = Histogram(
     "kubeproxy_network_programming_duration_seconds",
     "In Cluster Network Programming Latency in seconds",
-    buckets=[0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30)],
+    # kube-proxy's metrics.MergeBuckets starts from a 0 bucket (make([]float64, 1)).
+    buckets=[0, 0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30)],
+    labelnames=["ip_family"],
     registry=REGISTRY,
 )
 NO_LOCAL_ENDPOINTS = Gauge(
@@ -50,10 +53,34 @@ NO_LOCAL_ENDPOINTS = Gauge(
     ["traffic_policy", "ip_family"],
     registry=REGISTRY,
 )
+# kube-proxy's change trackers (ServiceChangeTracker, EndpointsChangeTracker):
+# one count per Service / EndpointSlice event, and the events not yet synced.
+ENDPOINT_CHANGES_PENDING = Gauge(
+    "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+    "Pending proxy rules Endpoint changes",
+    registry=REGISTRY,
+)
+ENDPOINT_CHANGES_TOTAL = Counter(
+    "kubeproxy_sync_proxy_rules_endpoint_changes",
+    "Cumulative proxy rules Endpoint changes",
+    registry=REGISTRY,
+)
+SERVICE_CHANGES_PENDING = Gauge(
+    "kubeproxy_sync_proxy_rules_service_changes_pending",
+    "Pending proxy rules Service changes",
+    registry=REGISTRY,
+)
+SERVICE_CHANGES_TOTAL = Counter(
+    "kubeproxy_sync_proxy_rules_service_changes",
+    "Cumulative proxy rules Service changes",
+    registry=REGISTRY,
+)
 # IPv4 is always served: its series exist from the start, zero until the first
 # sync, as the unlabelled ones did before dual-stack. IPv6's appear with IPv6.
 SYNC_DURATION.labels(ip_family="IPv4")
 SYNC_LAST_TIMESTAMP.labels(ip_family="IPv4")
+SYNC_LAST_QUEUED_TIMESTAMP.labels(ip_family="IPv4")
+NETWORK_PROGRAMMING_DURATION.labels(ip_family="IPv4")
 for _policy in ("external", "internal"):
     NO_LOCAL_ENDPOINTS.labels(traffic_policy=_policy, ip_family="IPv4")
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from healthz.proxy_health import ProxyHealth
@@ -73,9 +73,9 @@ class _Prepared(NamedTuple):
     result: SyncResult
     result6: SyncResult
     """What the IPv6 dataplane applies: ``result.ipv6`` or the empty IPv6 result."""
-    seen: Mapping[tuple[str, str], float]
+    seen: Mapping[tuple[str, str, str], float]
     """The trigger times ``new_triggers`` was found against."""
-    new_triggers: list[float]
+    new_triggers: list[tuple[float, str]]
 
 
 class Proxier:
@@ -110,7 +110,7 @@ class Proxier:
         self._lock = threading.Lock()
         """``prepare`` (a worker thread) and ``sync`` (the loop) share the cache."""
         self._prepared: Prepared[_Prepared] = Prepared()
-        self._triggers: Mapping[tuple[str, str], float] = {}
+        self._triggers: Mapping[tuple[str, str, str], float] = {}
         """Trigger times already observed, by slice: each is observed once."""
         self._warned_no_node = False
         self._ipv6_synced = False
@@ -163,7 +163,11 @@ class Proxier:
 
         Raises if the dataplane failed, so the hub keeps the update pending
         (health fails after the timeout, as an update that never applies does
-        upstream); healthz and the metrics are fed either way.
+        upstream). The health checks are fed either way: a dataplane puts the
+        plans in force first, so what failed is a part of the sync, and the
+        counts describe the plans it decides by (kube-proxy, whose restore is
+        all or nothing, feeds them only after a success). The metrics say
+        synced, as kube-proxy's do, only for a family whose dataplane took it.
         """
         started = time.perf_counter()
         prepared = self._prepared.take(snapshot)
@@ -180,6 +184,7 @@ class Proxier:
         self.last = result
         self._note_node(result)
         failure: Exception | None = None
+        failed: set[int] = set()
         for dataplane, family_result in ((self.dataplane, result), (self.dataplane6, result6)):
             if dataplane is None:
                 continue
@@ -187,6 +192,7 @@ class Proxier:
                 dataplane.apply(family_result)
             except Exception as exc:  # the others still get this sync
                 failure = failure or exc
+                failed.add(family_result.family)
         self._note_families(result)
         if self.health is not None:
             self.health.sync_node(result.node_eligible)
@@ -200,7 +206,7 @@ class Proxier:
                                              six.local_ready if six is not None else None)
             except Exception:
                 log.exception("health checks of generation %d failed", result.generation)
-        self._observe(result, new_triggers, time.perf_counter() - started)
+        self._observe(result, new_triggers, time.perf_counter() - started, failed)
         if failure is not None:
             raise failure
 
@@ -239,8 +245,8 @@ class Proxier:
             self._warned_no_node = True
 
     def _new_triggers(
-        self, result: SyncResult, seen: Mapping[tuple[str, str], float]
-    ) -> list[float]:
+        self, result: SyncResult, seen: Mapping[tuple[str, str, str], float]
+    ) -> list[tuple[float, str]]:
         """The trigger times to observe: after start-up, and not seen before.
 
         As kube-proxy's tracker does, a trigger from before this process
@@ -248,17 +254,26 @@ class Proxier:
         """
         started = self._started
         return [
-            trigger for key, trigger in result.trigger_times.items()
+            (trigger, key[2]) for key, trigger in result.trigger_times.items()
             if trigger > started and seen.get(key) != trigger
         ]
 
-    def _observe(self, result: SyncResult, new_triggers: list[float], elapsed: float) -> None:
-        """kube-proxy's sync metrics for this sync."""
+    def _observe(self, result: SyncResult, new_triggers: list[tuple[float, str]],
+                 elapsed: float, failed: Collection[int] = ()) -> None:
+        """kube-proxy's sync metrics for this sync.
+
+        The duration counts every attempt; the last-sync timestamp, the
+        no-local-endpoints gauges and the network programming latency only a
+        family whose rules went in ("the last time proxy rules were
+        *successfully* synced").
+        """
         now = self._clock()
         families = [result] if result.ipv6 is None else [result, result.ipv6]
         for family in families:
             name = FAMILY_NAMES[family.family]
             metrics.SYNC_DURATION.labels(ip_family=name).observe(elapsed)
+            if family.family in failed:
+                continue
             metrics.SYNC_LAST_TIMESTAMP.labels(ip_family=name).set(now)
             metrics.NO_LOCAL_ENDPOINTS.labels(traffic_policy="external", ip_family=name).set(
                 family.dropping)
@@ -271,6 +286,9 @@ class Proxier:
         self._ipv6_synced = result.ipv6 is not None
         log.log(logging.INFO if elapsed >= SLOW_SYNC else logging.DEBUG,
                 "generation %d applied in %.0f ms", result.generation, elapsed * 1000)
-        for trigger in new_triggers:
-            metrics.NETWORK_PROGRAMMING_DURATION.observe(max(0.0, now - trigger))
+        if failed:
+            return  # not programmed yet: observed when a sync puts them in force
+        for trigger, family in new_triggers:  # the slice's addressType: IPv4 or IPv6
+            metrics.NETWORK_PROGRAMMING_DURATION.labels(ip_family=family).observe(
+                max(0.0, now - trigger))
         self._triggers = result.trigger_times

@@ -74,8 +74,8 @@ class SyncResult:
     """Service ports whose external traffic is dropped (eTP=Local, no local endpoint)."""
     dropping_internal: int
     """Service ports whose ClusterIP traffic is dropped (iTP=Local, no local endpoint)."""
-    trigger_times: Mapping[tuple[str, str], float]
-    """Every slice's ``last-change-trigger-time``, by (namespace, name)."""
+    trigger_times: Mapping[tuple[str, str, str], float]
+    """Every slice's ``last-change-trigger-time``, by (namespace, name, addressType)."""
     udp_plans: dict[PlanKey, PortPlan]
     """The UDP decision table, keyed as ``plans`` (a port number may be in both)."""
     family: int = 4
@@ -100,7 +100,7 @@ def compute_sync(
     """
     node = snapshot.node(config.node_name)
     trigger_times = {
-        (sl.namespace, sl.name): sl.trigger_time
+        (sl.namespace, sl.name, sl.address_type): sl.trigger_time
         for sl in snapshot.slices
         if sl.trigger_time is not None
     }
@@ -118,7 +118,7 @@ def compute_sync(
 def _family_sync(
     snapshot: Snapshot, config: SyncConfig, family: int, cache: PlanCache | None,
     udp_cache: PlanCache | None, health_check_ports: Mapping[str, int],
-    trigger_times: Mapping[tuple[str, str], float], ipv6: SyncResult | None = None,
+    trigger_times: Mapping[tuple[str, str, str], float], ipv6: SyncResult | None = None,
 ) -> SyncResult:
     """One family's result: what its own proxier would compute."""
     node = snapshot.node(config.node_name)

@@ -85,7 +85,8 @@ class StateHub:
     def publish(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
         self.health.queued()
-        metrics.SYNC_LAST_QUEUED_TIMESTAMP.set_to_current_time()
+        for family in self.health.families:  # kube-proxy: one series per family's proxier
+            metrics.SYNC_LAST_QUEUED_TIMESTAMP.labels(ip_family=family).set_to_current_time()
         ok = True
         # Applying a big state allocates as much as parsing it (plans,
         # balancers, listeners): the same GC pause holds (proxy.util.gcpause).

@@ -22,6 +22,8 @@ T0 = 1_800_000_000.0
 COUNT = "kubeproxy_network_programming_duration_seconds_count"
 TOTAL = "kubeproxy_network_programming_duration_seconds_sum"
 DROPPING = "kubeproxy_sync_proxy_rules_no_local_endpoints_total"
+LAST = "kubeproxy_sync_proxy_rules_last_timestamp_seconds"
+DURATIONS = "kubeproxy_sync_proxy_rules_duration_seconds_count"
 
 
 def proxier(clock: FakeClock | None = None, **kw: object) -> Proxier:
@@ -69,19 +71,48 @@ def test_network_programming_latency_observed_once_per_new_trigger() -> None:
     clock = FakeClock(T0)
     px = proxier(clock)
     svc = lb_service()
-    n0, s0 = sample(COUNT), sample(TOTAL)
+    n0, s0 = sample(COUNT, ip_family="IPv4"), sample(TOTAL, ip_family="IPv4")
 
     # A trigger from before we started measures our start-up: ignored.
     px.sync(snap([svc], [eps_slice(svc, [], trigger_time=T0 - 100)]))
-    assert sample(COUNT) == n0
+    assert sample(COUNT, ip_family="IPv4") == n0
 
     clock.advance(2.0)
     state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1.5)])
     px.sync(state)
-    assert sample(COUNT) == n0 + 1
-    assert sample(TOTAL) == pytest.approx(s0 + 0.5)
+    assert sample(COUNT, ip_family="IPv4") == n0 + 1
+    assert sample(TOTAL, ip_family="IPv4") == pytest.approx(s0 + 0.5)
     px.sync(state)  # same trigger again: not a new change
-    assert sample(COUNT) == n0 + 1
+    assert sample(COUNT, ip_family="IPv4") == n0 + 1
+
+
+def test_a_failed_sync_is_timed_but_not_reported_as_synced() -> None:
+    """kube-proxy moves ``last_timestamp`` and observes the network programming latency
+    only once the rules went in ("the last time proxy rules were *successfully*
+    synced"): a stuck kpx must show as stuck. The changes are measured when a sync puts
+    them in force."""
+    clock = FakeClock(T0)
+    dp = Recorder()
+    px = proxier(clock, dataplane=dp)
+    svc = lb_service()
+    px.sync(snap([svc], []))
+    last = sample(LAST, ip_family="IPv4")
+    n0, d0 = sample(COUNT, ip_family="IPv4"), sample(DURATIONS, ip_family="IPv4")
+    s0 = sample(TOTAL, ip_family="IPv4")
+    clock.advance(2.0)
+    dp.fail = True
+    state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1.5)], generation=2)
+    with pytest.raises(OSError):
+        px.sync(state)
+    assert sample(LAST, ip_family="IPv4") == last
+    assert sample(COUNT, ip_family="IPv4") == n0
+    assert sample(DURATIONS, ip_family="IPv4") == d0 + 1  # every attempt is timed
+    clock.advance(1.0)
+    dp.fail = False
+    px.sync(state)
+    assert sample(LAST, ip_family="IPv4") == T0 + 3.0
+    assert sample(COUNT, ip_family="IPv4") == n0 + 1
+    assert sample(TOTAL, ip_family="IPv4") == pytest.approx(s0 + 1.5)  # from its trigger
 
 
 def test_sync_metrics_prepared_or_not_give_the_same_gauges() -> None:
@@ -93,24 +124,24 @@ def test_sync_metrics_prepared_or_not_give_the_same_gauges() -> None:
                                  eps_slice(gone, [], trigger_time=T0 + 2)], generation=2)
     prepared = proxier(clock)
     plain = proxier(clock)
-    n0 = sample(COUNT)
+    n0 = sample(COUNT, ip_family="IPv4")
     clock.advance(3)
     prepared.prepare(first)
     prepared.sync(first)
     assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 1
-    assert sample(COUNT) == n0 + 2
+    assert sample(COUNT, ip_family="IPv4") == n0 + 2
     prepared.prepare(second)
     prepared.sync(second)
     assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 0
-    assert sample(COUNT) == n0 + 3  # only the slice whose trigger changed
+    assert sample(COUNT, ip_family="IPv4") == n0 + 3  # only the slice whose trigger changed
 
     plain.prepare(second)  # prepared for another snapshot: not used for this one
     plain.sync(first)
     assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 1
-    assert sample(COUNT) == n0 + 5
+    assert sample(COUNT, ip_family="IPv4") == n0 + 5
     plain.sync(second)
     assert sample(DROPPING, traffic_policy="external", ip_family="IPv4") == 0
-    assert sample(COUNT) == n0 + 6
+    assert sample(COUNT, ip_family="IPv4") == n0 + 6
 
 
 def test_prepared_trigger_times_are_measured_against_the_last_sync() -> None:
@@ -118,11 +149,11 @@ def test_prepared_trigger_times_are_measured_against_the_last_sync() -> None:
     svc = lb_service()
     state = snap([svc], [eps_slice(svc, [], trigger_time=T0 + 1)])
     px = proxier(clock)
-    n0 = sample(COUNT)
+    n0 = sample(COUNT, ip_family="IPv4")
     px.prepare(state)
     px.sync(state)  # no prepared data left: measured afresh, already seen
     px.sync(state)
-    assert sample(COUNT) == n0 + 1
+    assert sample(COUNT, ip_family="IPv4") == n0 + 1
 
 
 def test_one_computation_per_snapshot_reaches_every_consumer() -> None:
