@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp.web_request import BaseRequest
-from prometheus_client import Counter
+from prometheus_client import Counter, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
 from healthz.http import TEXT_HEADERS, GoResponse, go_not_found, go_response
@@ -31,6 +31,12 @@ LIVEZ_TOTAL = Counter(
     ["code"],
     registry=REGISTRY,
 )
+
+# kube-proxy's registry (component-base legacyregistry) always carries the
+# process collector: process_cpu_seconds_total, process_resident_memory_bytes,
+# process_open_fds, process_start_time_seconds... that kube-proxy dashboards
+# and alerts read for job="kube-proxy".
+ProcessCollector(registry=REGISTRY)
 
 PROXY_MODE = "userspace"
 """What ``/proxyMode`` says unless told otherwise: kube-proxy's name for a relay."""
@@ -55,6 +61,8 @@ class MetricsServer:
             return go_response(200, [("Content-Type", content_type)], encoder(self.registry))
         if path == "/proxyMode":
             return go_response(200, TEXT_HEADERS, self.proxy_mode.encode())
-        if path == "/healthz":
+        if path in ("/healthz", "/healthz/ping"):
+            # k8s.io/apiserver healthz.InstallHandler: /healthz plus one path per
+            # check, and kube-proxy installs the default "ping" check.
             return go_response(200, TEXT_HEADERS, b"ok")
         return go_not_found()

@@ -633,7 +633,11 @@ class KubeAPISource:
             self._tracker.node()
         elif kind.kind == "Service":
             self._tracker.service(key)
+            metrics.SERVICE_CHANGES_TOTAL.inc()
+            metrics.SERVICE_CHANGES_PENDING.inc()
         else:
+            metrics.ENDPOINT_CHANGES_TOTAL.inc()
+            metrics.ENDPOINT_CHANGES_PENDING.inc()
             namespace = key.partition("/")[0]
             for obj in (old, new):
                 service = _service_name(obj)
@@ -812,6 +816,8 @@ class KubeAPISource:
             len(snapshot.slices),
         )
         self.hub.publish(snapshot)
+        metrics.SERVICE_CHANGES_PENDING.set(0)
+        metrics.ENDPOINT_CHANGES_PENDING.set(0)
         self._first.set()
 
 

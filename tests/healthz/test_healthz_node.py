@@ -170,6 +170,17 @@ async def test_metrics_port(hub: StateHub) -> None:
             "kubeproxy_proxy_healthz_total{",
             "kubeproxy_kpx_connections_accepted_total",
             "kubeproxy_kpx_healthz_connections_closed_total",
+            # kube-proxy's: per family, a 0 bucket, the change trackers, the process.
+            'kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family="IPv4"}',
+            'kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="0.0"}',
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "kubeproxy_sync_proxy_rules_service_changes_total",
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_start_time_seconds",
         ):
             assert name in text, name
 
@@ -179,8 +190,9 @@ async def test_metrics_port(hub: StateHub) -> None:
             b"X-Content-Type-Options: nosniff\r\n"
         )
         assert body == b"userspace"
-        head, body = split_response(await http_raw(port, get("/healthz")))
-        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"ok"
+        for path in ("/healthz", "/healthz/ping"):  # the apiserver healthz mux, "ping" check
+            head, body = split_response(await http_raw(port, get(path)))
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"ok"
         head, body = split_response(await http_raw(port, get("/nope")))
         assert head.startswith(b"HTTP/1.1 404 Not Found\r\n") and body == b"404 page not found\n"
     finally:

@@ -122,7 +122,7 @@ async def test_initial_list_publishes_the_state(api: FakeAPIServer, start: Start
                     labels={"service.kubernetes.io/service-proxy-name": "x"}))
     api.put(node("node-b", "192.168.0.3"))
     before = metrics.REGISTRY.get_sample_value(
-        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", {"ip_family": "IPv4"}
     )
     run = await start()
     assert await run.source.wait_synced(2)
@@ -135,7 +135,7 @@ async def test_initial_list_publishes_the_state(api: FakeAPIServer, start: Start
     assert addresses(snap, "default/web") == ["10.0.0.1"]
     assert run.hub.snapshot is snap
     after = metrics.REGISTRY.get_sample_value(
-        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds"
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", {"ip_family": "IPv4"}
     )
     assert after is not None and after != before
 
@@ -296,6 +296,28 @@ async def test_a_server_that_keeps_expiring_is_not_hammered(
     await asyncio.sleep(0.25)
     lists = len(api.of("Service", watch=False))
     assert 2 <= lists <= 8, lists
+
+
+def change_counts() -> tuple[float, ...]:
+    return tuple(metrics.REGISTRY.get_sample_value(f"kubeproxy_sync_proxy_rules_{n}") or 0.0
+                 for n in ("service_changes_total", "endpoint_changes_total",
+                           "service_changes_pending", "endpoint_changes_pending"))
+
+
+async def test_the_change_trackers_count_each_event_until_it_is_published(
+    api: FakeAPIServer, start: Start
+) -> None:
+    """kube-proxy's change trackers: one count per Service or EndpointSlice event, pending
+    until a sync takes it (here: until the state that holds it is published)."""
+    run = await start()
+    await run.published(1)
+    services, slices, _, _ = change_counts()
+    api.put(service("api", 30081))
+    api.put(endpoint_slice("api", "10.0.1.1"))
+    api.put(endpoint_slice("api", "10.0.1.2"))
+    await eventually(lambda: run.last.service("default/api") is not None
+                     and addresses(run.last, "default/api") == ["10.0.1.2"])
+    assert change_counts() == (services + 1, slices + 2, 0, 0)
 
 
 NO_PROGRESS = {
