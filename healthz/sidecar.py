@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 
 from healthz.http import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Handler, HttpListener
@@ -44,38 +43,14 @@ HEALTHZ6 = "healthz6"
 METRICS_PORT = 10249
 
 
-def parse_bind_address(value: str | None, default_port: int) -> tuple[str, int] | None:
-    """``"ip:port"``, ``"[v6]:port"``, ``"ip"`` or ``":port"`` -> ``(host, port)``.
-
-    Empty means disabled, as with kube-proxy's bind-address flags.
-    """
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
-    host, port = value, default_port
-    if value.startswith("["):
-        end = value.index("]")
-        host, rest = value[1:end], value[end + 1 :]
-        if rest:
-            port = int(rest.removeprefix(":"))
-    elif value.count(":") == 1:
-        host, _, port_text = value.partition(":")
-        port = int(port_text)
-    host = host or "0.0.0.0"
-    ipaddress.ip_address(host)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port {port} out of range in {value!r}")
-    return host, port
-
-
 class Sidecar:
     """All healthz listeners of one node, answering from ``health`` and the syncs."""
 
     def __init__(
         self,
         health: ProxyHealth,
-        healthz_bind: str | None = f"0.0.0.0:{HEALTHZ_PORT}",
-        metrics_bind: str | None = f"127.0.0.1:{METRICS_PORT}",
+        healthz_bind: tuple[str, int] | None = ("0.0.0.0", HEALTHZ_PORT),
+        metrics_bind: tuple[str, int] | None = ("127.0.0.1", METRICS_PORT),
         *,
         proxy_mode: str = PROXY_MODE,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -84,8 +59,10 @@ class Sidecar:
         healthz_ipv6: bool = False,
     ) -> None:
         self.health = health
-        self.healthz_bind = parse_bind_address(healthz_bind, HEALTHZ_PORT)
-        self.metrics_bind = parse_bind_address(metrics_bind, METRICS_PORT)
+        self.healthz_bind = healthz_bind
+        """Where ``/healthz`` listens; None: nowhere. The command line parsed it
+        (``--healthz-bind-address``), before the process claimed its namespace."""
+        self.metrics_bind = metrics_bind
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.retry_interval = retry_interval

@@ -159,8 +159,8 @@ def parsed_args() -> argparse.Namespace:
 def test_args_parse_with_kpx_node_s_own_parser() -> None:
     args = parsed_args()
     assert args.hostname_override == "worker-7", "the downward API's spec.nodeName"
-    assert args.metrics_bind_address == "127.0.0.1:10249"
-    assert args.healthz_bind_address == "0.0.0.0:10256"
+    assert args.metrics_bind_address == ("127.0.0.1", 10249)
+    assert args.healthz_bind_address == ("0.0.0.0", 10256)
     assert [str(c) for c in args.cluster_cidr] == ["10.244.0.0/16"]
     assert args.takeover_wait >= 60, "a surge pod must outwait the old pod's deletion"
     assert args.state is None, "the API source"
@@ -169,7 +169,7 @@ def test_args_parse_with_kpx_node_s_own_parser() -> None:
 
 
 def test_probes_hit_the_healthz_port_kpx_binds() -> None:
-    port = int(parsed_args().healthz_bind_address.rsplit(":", 1)[1])
+    port = parsed_args().healthz_bind_address[1]
     c = container()
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": port}

@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import resource
 import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from proxy.core.addresses import parse_nodeport_addresses
+from proxy.core.addresses import parse_bind_address, parse_nodeport_addresses
 from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM
 from proxy.defaults import (
     DEFAULT_BATCH_WAIT,
@@ -63,10 +64,16 @@ def parse_duration(text: str) -> float:
     """Go-style durations as kube-proxy flags take them: ``30s``, ``1m``, ``500ms``, ``100us``,
     ``2``. The longer suffixes are tried first: ``100us`` also ends in ``s``."""
     units = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    seconds = None
     for suffix in ("ns", "us", "µs", "ms", "s", "m", "h"):
         if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * units[suffix]
-    return float(text)
+            seconds = float(text[: -len(suffix)]) * units[suffix]
+            break
+    if seconds is None:
+        seconds = float(text)
+    if not math.isfinite(seconds):  # "nan", "inf": no duration, and nan passes every check
+        raise ValueError(f"{text!r}: not a finite duration")
+    return seconds
 
 
 PROXY_MODES = ("userspace", "nfqueue")
@@ -115,6 +122,19 @@ def parse_cidrs(text: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def bind_address_flag(default_port: int) -> Callable[[str], tuple[str, int] | None]:
+    """An argparse type for ``--*-bind-address``: ``(host, port)``, or None (empty:
+    off). Parsed here, before the claim: a malformed one used to end ``kpx node`` with a
+    traceback once it had installed its return path, and left that behind."""
+    def parse(text: str) -> tuple[str, int] | None:
+        try:
+            return parse_bind_address(text, default_port)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = "IP:PORT"
+    return parse
+
+
 def add_max_bytes_flag(parser: argparse.ArgumentParser) -> None:
     """``--state-max-bytes``, shared by ``kpx node``, ``kpx healthz`` and ``kpx check``."""
     parser.add_argument(
@@ -149,15 +169,17 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
         help="serve NodePorts only on node addresses inside these CIDRs (default: all)",
     )
     parser.add_argument(
-        "--healthz-bind-address", default="0.0.0.0:10256", metavar="IP:PORT",
+        "--healthz-bind-address", default="0.0.0.0:10256", type=bind_address_flag(10256),
+        metavar="IP:PORT",
         help="node /healthz and /livez (default 0.0.0.0:10256)",
     )
     parser.add_argument(
-        "--metrics-bind-address", default="127.0.0.1:10249", metavar="IP:PORT",
+        "--metrics-bind-address", default="127.0.0.1:10249", type=bind_address_flag(10249),
+        metavar="IP:PORT",
         help="/metrics and /proxyMode (default 127.0.0.1:10249)",
     )
     parser.add_argument(
-        "--sync-period", type=parse_duration, default=30.0, metavar="DURATION",
+        "--sync-period", type=parse_positive, default=30.0, metavar="DURATION",
         help="health turns bad when an update waits longer than twice this (default 30s)",
     )
     add_max_bytes_flag(parser)
@@ -235,7 +257,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="worker processes sharing the NodePorts via SO_REUSEPORT (default 1)",
     )
     parser.add_argument(
-        "--connect-timeout", type=parse_duration, default=2.0, metavar="DURATION",
+        "--connect-timeout", type=parse_positive, default=2.0, metavar="DURATION",
         help="upstream connect timeout per endpoint before trying another (default 2s)",
     )
 
@@ -288,6 +310,8 @@ def source_config(args: argparse.Namespace) -> Callable[[], KubeConfig] | None:
 def flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``kpx node``'s other flags (``source_config`` checks the
     source's), as its error line; None when nothing is."""
+    if args.workers < 1:
+        return f"--workers {args.workers}: must be at least 1"
     if args.proxy_mode == "nfqueue" and args.workers > 1:
         return "--workers: nfqueue mode decides SYNs in one process (one queue); use --workers 1"
     if not 0 <= args.queue_num <= 0xFFFF:

@@ -69,3 +69,39 @@ def nodeport_addresses(
         if any(ip.version == n.version and ip in n for n in nets):
             out.append(a)
     return tuple(out)
+
+
+def parse_bind_address(value: str | None, default_port: int) -> tuple[str, int] | None:
+    """``"ip:port"``, ``"[v6]:port"``, ``"ip"`` or ``":port"`` -> ``(host, port)``.
+
+    Empty means disabled, as with kube-proxy's bind-address flags. Raises
+    ValueError, worded for the flag's error line, for anything else.
+    """
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    host, port_text = value, ""
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            raise ValueError(f"{value!r}: no closing ']'")
+        host, rest = value[1:end], value[end + 1 :]
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"{value!r}: expected ':PORT' after ']'")
+            port_text = rest[1:]
+    elif value.count(":") == 1:
+        host, _, port_text = value.partition(":")
+    port = default_port
+    if port_text:
+        if not port_text.isdigit():
+            raise ValueError(f"{value!r}: port {port_text!r} is not a number")
+        port = int(port_text)
+    host = host or "0.0.0.0"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{value!r}: {host!r} is not an IP address") from None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} out of range in {value!r}")
+    return host, port

@@ -278,7 +278,7 @@ def test_node_health_ipv6_socket_is_off_by_default_and_switchable() -> None:
     async def run() -> None:
         health = ProxyHealth()
         health.sync_node(True)
-        sidecar = Sidecar(health, healthz_bind="0.0.0.0:0", metrics_bind=None)
+        sidecar = Sidecar(health, healthz_bind=("0.0.0.0", 0), metrics_bind=None)
         await sidecar.start()
         try:
             assert sidecar.healthz_address is not None
@@ -314,7 +314,7 @@ def test_node_health_ipv6_asked_for_before_start() -> None:
     async def run() -> None:
         health = ProxyHealth()
         health.sync_node(True)
-        sidecar = Sidecar(health, healthz_bind="0.0.0.0:0", metrics_bind=None, healthz_ipv6=True)
+        sidecar = Sidecar(health, healthz_bind=("0.0.0.0", 0), metrics_bind=None, healthz_ipv6=True)
         await sidecar.start()
         try:
             assert sidecar.healthz_address is not None
@@ -330,7 +330,7 @@ def test_node_health_ipv6_asked_for_before_start() -> None:
 
 async def test_node_health_ipv6_needs_the_wildcard_bind() -> None:
     """A specific ``--healthz-bind-address`` is the operator's choice: no IPv6 socket added."""
-    sidecar = Sidecar(ProxyHealth(), healthz_bind="127.0.0.1:0", metrics_bind=None)
+    sidecar = Sidecar(ProxyHealth(), healthz_bind=("127.0.0.1", 0), metrics_bind=None)
     await sidecar.start()
     try:
         sidecar.serve_healthz_ipv6(True)

@@ -9,7 +9,7 @@ import pytest
 
 from healthz.metrics import MetricsServer
 from healthz.proxy_health import NodeHealthServer, ProxyHealth, rfc3339nano
-from healthz.sidecar import Sidecar, parse_bind_address
+from healthz.sidecar import Sidecar
 from proxy.core.model import Node
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
@@ -229,7 +229,7 @@ async def test_sidecar_retries_a_busy_healthz_port(hub: StateHub) -> None:
     squatter.bind(("127.0.0.1", port))
     squatter.listen()
     sidecar = await start_sidecar(
-        hub, healthz_bind=f"127.0.0.1:{port}", metrics_bind="", retry_interval=0.05
+        hub, healthz_bind=("127.0.0.1", port), metrics_bind=None, retry_interval=0.05
     )
     try:
         assert sidecar.healthz_address is None and sidecar.metrics_address is None
@@ -241,16 +241,6 @@ async def test_sidecar_retries_a_busy_healthz_port(hub: StateHub) -> None:
     finally:
         squatter.close()
         await sidecar.stop()
-
-
-def test_parse_bind_address() -> None:
-    assert parse_bind_address("0.0.0.0:10256", 1) == ("0.0.0.0", 10256)
-    assert parse_bind_address("127.0.0.1", 10249) == ("127.0.0.1", 10249)
-    assert parse_bind_address(":8080", 1) == ("0.0.0.0", 8080)
-    assert parse_bind_address("[::1]:9", 1) == ("::1", 9)
-    assert parse_bind_address("", 1) is None
-    with pytest.raises(ValueError):
-        parse_bind_address("nohost:1", 1)
 
 
 def test_node_health_document_without_a_server() -> None:

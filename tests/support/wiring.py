@@ -48,8 +48,8 @@ async def start_sidecar(
     **kw: Any,
 ) -> Sidecar:
     """A started sidecar on ephemeral loopback ports, kept in step with ``hub``."""
-    kw.setdefault("healthz_bind", "127.0.0.1:0")
-    kw.setdefault("metrics_bind", "127.0.0.1:0")
+    kw.setdefault("healthz_bind", ("127.0.0.1", 0))
+    kw.setdefault("metrics_bind", ("127.0.0.1", 0))
     sidecar = Sidecar(hub.health, **kw)
     Proxier(
         sync_config(node, nodeport_addresses), services=sidecar.services, health=hub.health

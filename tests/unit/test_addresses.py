@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 
 import pytest
 
-from proxy.core.addresses import nodeport_addresses, parse_nodeport_addresses
+from proxy.core.addresses import nodeport_addresses, parse_bind_address, parse_nodeport_addresses
 from proxy.core.addresses import nodeport_addresses as listen_addresses
 from proxy.core.model import Node
 
@@ -64,3 +65,26 @@ def test_nodeport_addresses_for_health_checks() -> None:
         parse_nodeport_addresses("not-an-ip")
     with pytest.raises(ValueError):
         parse_nodeport_addresses("10.0.0.0/33")
+
+
+def test_parse_bind_address() -> None:
+    assert parse_bind_address("0.0.0.0:10256", 1) == ("0.0.0.0", 10256)
+    assert parse_bind_address("127.0.0.1", 10249) == ("127.0.0.1", 10249)
+    assert parse_bind_address(":8080", 1) == ("0.0.0.0", 8080)
+    assert parse_bind_address("[::1]:9", 1) == ("::1", 9)
+    assert parse_bind_address("[::1]", 7) == ("::1", 7)
+    assert parse_bind_address("", 1) is None
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("nohost:1", "'nohost' is not an IP address"),
+    ("1.2.3:abc", "port 'abc' is not a number"),
+    ("999.1.1.1:80", "'999.1.1.1' is not an IP address"),
+    ("[::1", "no closing ']'"),
+    ("[::1]x", "expected ':PORT' after ']'"),
+    ("0.0.0.0:70000", "port 70000 out of range"),
+    ("0.0.0.0:-1", "port '-1' is not a number"),
+])
+def test_a_malformed_bind_address_says_what_is_wrong(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        parse_bind_address(text, 1)

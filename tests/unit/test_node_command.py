@@ -102,6 +102,27 @@ def test_bad_flags_are_refused_before_the_claim(tmp_path: Path) -> None:
     assert "--state excludes --kubeconfig and --master" in stderr
 
 
+@pytest.mark.parametrize(("flags", "why"), [
+    (("--healthz-bind-address", "1.2.3:abc"),
+     "argument --healthz-bind-address: '1.2.3:abc': port 'abc' is not a number"),
+    (("--metrics-bind-address", "[::1"), "argument --metrics-bind-address: '[::1': no closing"),
+    (("--connect-timeout", "0"), "argument --connect-timeout: '0': must be > 0"),
+    (("--sync-period=-1s",), "argument --sync-period: '-1s': must be > 0"),
+    (("--sync-period", "nan"), "argument --sync-period"),
+    (("--conntrack-tcp-timeout-established", "inf"), "--conntrack-tcp-timeout-established"),
+    (("--workers", "0"), "--workers 0: must be at least 1"),
+])
+def test_a_flag_value_that_cannot_work_is_refused_before_the_claim(
+        tmp_path: Path, flags: tuple[str, ...], why: str) -> None:
+    """Each of these crashed after the claim (a traceback, the return path left behind),
+    broke every connection (a connect timeout of 0), spun (a sync period of 0), or was
+    quietly taken for another value (--workers 0)."""
+    code, modules, stderr = claimed_with(
+        "node", "--hostname-override", "node1", "--state", str(tmp_path / "s.yaml"), *flags)
+    assert (code, modules) == (2, []), stderr
+    assert why in stderr, stderr
+
+
 CLAIM_GRANTED = """
 import json, sys
 from proxy import cli
