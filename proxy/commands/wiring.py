@@ -138,6 +138,9 @@ def attach_proxier(args: argparse.Namespace, hub: StateHub, sidecar: Sidecar | N
 async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     """Serve the claimed namespace until stopped; ``config``: see ``make_source``."""
     loop = asyncio.get_running_loop()
+    # Before anything is installed: a signal's default action would end this
+    # process mid-start and leave the return path, VIPs and sysctls behind.
+    signals = Signals(loop)
     hub = StateHub(ProxyHealth(timeout=2 * args.sync_period))
     source = make_source(args, hub, config)
     workers = max(1, args.workers)
@@ -147,7 +150,7 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     # from; its first sync adopts them instead of binding new ones.
     claim = ownership.claim if ownership is not None else None
     if args.proxy_mode == "nfqueue":
-        return await serve_nfqueue(args, loop, hub, source, ownership)
+        return await serve_nfqueue(args, loop, hub, source, ownership, signals)
     # ClusterIPs, externalIPs and VIP-mode LB IPs become local addresses of
     # the node (proxy.userspace.vips), as IPVS mode does with kube-ipvs0.
     local_vips = LocalVIPs()
@@ -189,7 +192,7 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
         sidecar = Sidecar.from_flags(hub.health, args)
     attach_proxier(args, hub, sidecar, dataplane, dataplane6)
 
-    watcher = await start_source(source, args.sync_period)
+    watcher = await start_source_unless_stopped(source, args.sync_period, signals)
     leftovers: asyncio.Task[None] | None = None
     unqueued = asyncio.Event()
     """Set once no nfqueue rule queues SYNs here: what READY waits for, besides the sync."""
@@ -243,7 +246,7 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     else:
         await start_sidecar()
 
-    interrupted, stopper = await run_until_stopped(loop, args, source, watcher, "")
+    interrupted, stopper = await run_until_stopped(loop, args, source, watcher, "", signals)
 
     if takeover is not None and not takeover.done():
         takeover.cancel()
@@ -524,25 +527,74 @@ async def synced(planes: list[Dataplane]) -> None:
         await dp.synced.wait()
 
 
+class Signals:
+    """SIGTERM, SIGINT and SIGHUP, handled from the start of ``serve``.
+
+    Until ``run_until_stopped`` a stop is only recorded (and cuts the wait for
+    the first state short: ``start_source_unless_stopped``); a SIGHUP then is
+    a re-read once the source runs. Without this, either signal ended a
+    starting kpx by its default action, before any cleanup.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.stop = asyncio.Event()
+        self.interrupted = asyncio.Event()
+        self._reload: Callable[[], None] | None = None
+        self._hup = False
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
+
+    def _interrupt(self) -> None:
+        self.interrupted.set()
+        self.stop.set()
+
+    def _on_hup(self) -> None:
+        if self._reload is None:
+            self._hup = True
+        else:
+            self._reload()
+
+    def serving(self, reload: Callable[[], None]) -> None:
+        """From now on SIGHUP calls ``reload``; one that came while starting does so now."""
+        self._reload = reload
+        if self._hup:
+            self._hup = False
+            reload()
+
+
+async def start_source_unless_stopped(
+    source: StateFileSource | KubeAPISource, timeout: float, signals: Signals
+) -> asyncio.Task[Any]:
+    """``start_source``, cut short by a stop signal (an API server that does not answer
+    holds the first state back for up to ``timeout``): then a finished task."""
+    starting = asyncio.ensure_future(start_source(source, timeout))
+    stopped = asyncio.ensure_future(signals.stop.wait())
+    try:
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if starting.done():
+        return starting.result()
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    log.info("stopped while waiting for the first state")
+    return asyncio.ensure_future(asyncio.sleep(0))
+
+
 async def run_until_stopped(
     loop: asyncio.AbstractEventLoop, args: argparse.Namespace,
     source: StateFileSource | KubeAPISource, watcher: asyncio.Task[Any], mode: str,
+    signals: Signals | None = None,
 ) -> tuple[asyncio.Event, asyncio.Task[Any]]:
     """Serve until SIGTERM or SIGINT, or until the state source dies; SIGHUP re-reads it.
 
     Returns ``interrupted`` (set by SIGINT: stop now, no handover window) and
     the task waiting for the signal, for the caller to cancel once stopped.
     """
-    stop = asyncio.Event()
-    interrupted = asyncio.Event()
-
-    def interrupt() -> None:
-        interrupted.set()
-        stop.set()
-
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, interrupt)
-    loop.add_signal_handler(signal.SIGHUP, source.reload)
+    signals = signals or Signals(loop)
+    stop, interrupted = signals.stop, signals.interrupted
+    signals.serving(source.reload)
     log.info("kpx node %s running%s (state from %s)", args.hostname_override, mode,
              args.state or "the Kubernetes API")
     stopper = asyncio.create_task(stop.wait(), name="stop-signal")
@@ -554,7 +606,7 @@ async def run_until_stopped(
 
 async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoop,
                         hub: StateHub, source: StateFileSource | KubeAPISource,
-                        ownership: Ownership | None) -> int:
+                        ownership: Ownership | None, signals: Signals | None = None) -> int:
     """``kpx node --proxy-mode nfqueue``: the same sync and healthz, a SYN-deciding dataplane.
 
     A restart hands the queue over as the relay hands its listeners over
@@ -576,6 +628,7 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     the relay's connections left, and the relay's return path once it has
     gone (``remove_relay_leftovers``).
     """
+    signals = signals or Signals(loop)
     conntrack.apply(conntrack.Settings.from_flags(args))
     claim = ownership.claim if ownership is not None else None
     inherited = claim.take_listeners() if claim is not None else {}
@@ -594,7 +647,7 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
     # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
     attach_proxier(args, hub, sidecar, dataplane,
                    dataplane if 6 in dataplane.families else None)
-    watcher = await start_source(source, args.sync_period)
+    watcher = await start_source_unless_stopped(source, args.sync_period, signals)
     sidecar_started = False
 
     async def start() -> None:
@@ -620,7 +673,7 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
         await start()
     leftovers = asyncio.create_task(remove_relay_leftovers(dataplane), name="relay-leftovers")
     interrupted, stopper = await run_until_stopped(loop, args, source, watcher,
-                                                   " in nfqueue mode")
+                                                   " in nfqueue mode", signals)
     leftovers.cancel()
     if takeover is not None and not takeover.done():
         takeover.cancel()
