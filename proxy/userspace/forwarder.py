@@ -71,10 +71,12 @@ Relay rules (the TCP semantics a kernel DNAT would give):
   (SO_LINGER 0, then close).
 
 Level-triggered, so a read per socket per poll keeps busy connections
-fair and nothing is lost by stopping early. Level-triggered epoll reports
-EPOLLHUP/EPOLLERR whatever the mask, so a side with nothing to read or write
-leaves the set (``set_mask(side, 0)``) rather than sit in it with an empty
-mask: it would be reported on every poll.
+fair and nothing is lost by stopping early. A side with nothing to read or
+write (half-closed, or paused) stays in the set for errors only
+(``_ERRORS_ONLY``): an RST on it is passed on at once, as a kernel DNAT
+would, instead of waiting for a read that may never come. Level-triggered
+epoll reports EPOLLHUP whatever the mask, so one without an error (FIN both
+ways on a paused side) takes it out of the set until it is read again.
 
 Idle connections expire as kube-proxy's conntrack flags make them:
 ``--conntrack-tcp-timeout-established`` (no byte either way for that long)
@@ -85,7 +87,11 @@ signal. A timer sweeps every ``min(timeout / 4, SWEEP_MAX_INTERVAL)``; a
 relay whose counts (and flush/EOF marker) have not moved since the sweep
 that first saw them still is idle since then. So a connection expires no
 earlier than its timeout after its last activity, and at most two sweep
-intervals later (the activity may fall just after a sweep). One more check
+intervals later (the activity may fall just after a sweep). Packets without
+payload count too, as every packet refreshes a conntrack entry: a relay idle
+for half its timeout has its sockets' received segments (TCP_INFO
+``tcpi_segs_in``: keepalive probes, window probes) counted, and counted again
+at the timeout, so a connection its peers keep alive is not reset. One more check
 before a reset: data still in a socket's send queue (SIOCOUTQ) means the
 kernel is still delivering to a slow reader, which conntrack would see as
 packets, so that connection is not idle.
@@ -105,6 +111,7 @@ import socket
 import struct
 import termios
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -227,9 +234,15 @@ LOG_WINDOW = 10.0
 _TIMER_SLACK = 0.01
 """Loops may run a timer up to their clock resolution early: wake a little after a
 window ends, so the tick finds it ended instead of rescheduling itself at once."""
+STARVED_BACKOFF = 0.25
+"""Seconds the listeners stay paused after an upstream socket could not be made for
+want of fds or memory (``Forwarder.starve``)."""
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 _LINGER_RST = struct.pack("ii", 1, 0)
 _OUTQ_BUF = struct.pack("i", 0)
+_TCP_INFO_LEN = 144
+"""Bytes of ``struct tcp_info`` up to and including ``tcpi_segs_in`` (offset 140)."""
 _SOL_SOCKET = socket.SOL_SOCKET
 _SO_ERROR = socket.SO_ERROR
 _SHUT_WR = socket.SHUT_WR
@@ -240,6 +253,8 @@ _EPOLLOUT_ONESHOT = select.EPOLLOUT | select.EPOLLONESHOT
 _READABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 _WRITABLE = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 _FAILED = select.EPOLLERR | select.EPOLLHUP
+_ERRORS_ONLY = select.EPOLLERR
+"""The mask of a side in the set for nothing but an error (reported whatever the mask)."""
 _RETRY = (BlockingIOError, InterruptedError)
 _DONTWAIT = socket.MSG_DONTWAIT
 """Every recv and send is non-blocking by flag: accepted sockets stay in
@@ -260,9 +275,9 @@ class PortMetrics:
     """
 
     __slots__ = (
-        "_children", "accepted", "active", "bytes_to_client", "bytes_to_endpoint",
-        "connect_failures", "dirty", "dropped", "forwarded_direct", "forwarded_snat", "key",
-        "rejected",
+        "__weakref__", "_children", "accepted", "active", "bytes_to_client",
+        "bytes_to_endpoint", "connect_failures", "dirty", "dropped", "forwarded_direct",
+        "forwarded_snat", "key", "rejected",
     )
 
     COUNTERS = (
@@ -283,16 +298,17 @@ class PortMetrics:
         # transports against one epoll set").
         self._children: tuple[Any, ...] = ()
 
-    def _active_now(self) -> float:
-        return self.active
-
     def ensure_children(self) -> None:
         if not self._children:
             self._children = self._make_children()
 
     def _make_children(self) -> tuple[Any, ...]:
         key = self.key
-        metrics.ACTIVE_CONNECTIONS.labels(key).set_function(self._active_now)
+        # One gauge child per key, but one PortMetrics per key in each family's
+        # dataplane (dual stack): the gauge is the sum of them all.
+        group = _ACTIVE_BY_KEY.setdefault(key, weakref.WeakSet())
+        group.add(self)
+        metrics.ACTIVE_CONNECTIONS.labels(key).set_function(lambda: sum(m.active for m in group))
         return (
             metrics.CONNECTIONS_ACCEPTED.labels(key),
             metrics.CONNECTIONS_FORWARDED.labels(key, "true"),
@@ -313,6 +329,10 @@ class PortMetrics:
             if n:
                 child.inc(n)
                 setattr(self, name, 0)
+
+
+_ACTIVE_BY_KEY: dict[str, weakref.WeakSet[PortMetrics]] = {}
+"""Every PortMetrics of a service-port key (one per family's dataplane), for its gauge."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +371,17 @@ def _unsent(side: _Side) -> bool:
     except OSError:
         return False
     return struct.unpack("i", queued)[0] > 0
+
+
+def _segs_in(side: _Side) -> int:
+    """Segments ``side``'s socket received (keepalive probes included); 0 if unknown."""
+    if side.closed:
+        return 0
+    try:
+        info = side.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except OSError:
+        return 0
+    return struct.unpack_from("I", info, 140)[0] if len(info) >= _TCP_INFO_LEN else 0
 
 
 def reset_socket(sock: socket.socket) -> None:
@@ -402,6 +433,8 @@ class _Side:
             if self.closed:
                 return
         if not (self.mask & _EPOLLIN and events & _READABLE):
+            if events & _FAILED and not self.mask & (_EPOLLIN | _EPOLLOUT) and not self.closed:
+                relay.failed_idle(self)
             return
         fwd = self.fwd
         # One read per event: level-triggered epoll reports the socket again
@@ -449,8 +482,8 @@ class Relay:
     """
 
     __slots__ = (
-        "client", "client_addr", "endpoint", "failed", "fwd", "idle_since", "mark", "metrics",
-        "node_port", "phase", "snat", "state", "upstream",
+        "client", "client_addr", "counted", "endpoint", "failed", "fwd", "idle_since", "mark",
+        "metrics", "node_port", "phase", "segs", "snat", "state", "upstream",
     )
 
     def __init__(
@@ -470,6 +503,9 @@ class Relay:
         self.phase = CONNECTING
         self.mark = -1
         self.idle_since = 0.0
+        self.segs = -1
+        self.counted = (0, 0)
+        """Bytes (from the client, from the endpoint) already added to ``metrics``."""
 
     # -- connecting --------------------------------------------------------------
 
@@ -497,9 +533,29 @@ class Relay:
                     return
             except OSError as exc:  # EMFILE, or no fd left for the epoll set
                 err = exc.errno or errno.EIO
+                if err in _RESOURCE_ERRNOS:
+                    # Ours ran out, not the endpoint: blame no endpoint, and
+                    # leave the clients still queued there until fds are back
+                    # (the listeners pause, as on an accept's EMFILE).
+                    if usock is not None:
+                        usock.close()
+                    self._starved(exc)
+                    return
             if usock is not None:
                 usock.close()
             attempt = self._connect_failed(addr, snat, OSError(err, os.strerror(err)))
+
+    def _starved(self, exc: OSError) -> None:
+        """No upstream socket for want of fds or memory: reset this client, pause accepting."""
+        fwd = self.fwd
+        m = self.metrics
+        m.rejected += 1
+        fwd.touch(m)
+        key = self.state.plan.key
+        fwd.warn(("starved", key), "%s: client %s reset: no upstream socket (%s); pausing accepts",
+                 key, self.client_str(), _describe(exc))
+        fwd.starve()
+        self.abort()
 
     def connect_ready(self, events: int) -> None:
         """The upstream connect finished: writable means connected, an error failed.
@@ -675,6 +731,18 @@ class Relay:
             return
         b.shut = True
 
+    def failed_idle(self, side: _Side) -> None:
+        """``side``, watched for errors only (half-closed or paused), was reported.
+
+        An error (RST, timeout) resets both sides (``reset``); a hang-up
+        without one takes it out of the set until it is read again.
+        """
+        err = side.sock.getsockopt(_SOL_SOCKET, _SO_ERROR)
+        if err:
+            self.reset(side, OSError(err, os.strerror(err)))
+        else:
+            self.fwd.unwatch(side)
+
     def reset(self, broken: _Side, exc: OSError) -> None:
         """``broken`` failed (RST, EPIPE, timeout): reset the other side too.
 
@@ -727,9 +795,7 @@ class Relay:
         del active[self]
         m = self.metrics
         m.active -= 1
-        m.bytes_to_endpoint += self.client.nbytes
-        if self.upstream is not None:
-            m.bytes_to_client += self.upstream.nbytes
+        self.count_bytes()
         fwd.touch(m)
         # Break the relay <-> side cycles: all of it is freed now, by
         # reference counting, instead of by a later cyclic GC pass.
@@ -737,6 +803,14 @@ class Relay:
             if side is not None:
                 side.relay = side.peer = None
         fwd.connection_finished()
+
+    def count_bytes(self) -> None:
+        """Add the bytes read since the last count to ``metrics`` (no flush scheduled)."""
+        c, u = self.client.nbytes, self.upstream.nbytes if self.upstream is not None else 0
+        m = self.metrics
+        m.bytes_to_endpoint += c - self.counted[0]
+        m.bytes_to_client += u - self.counted[1]
+        self.counted = (c, u)
 
     def buffered(self) -> int:
         """Bytes held for either side (read but not yet taken by the kernel)."""
@@ -805,9 +879,29 @@ class Forwarder:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._dirty: list[PortMetrics] = []
         self._flush_timer: asyncio.TimerHandle | None = None
+        self._starve_timer: asyncio.TimerHandle | None = None
 
     def has_capacity(self) -> bool:
+        if self._starve_timer is not None:
+            return False  # out of fds a moment ago: clients wait in the accept queues
         return not self.max_connections or len(self.active) < self.max_connections
+
+    def starve(self) -> None:
+        """Refuse admission until a client and its upstream socket fit again (no fd for
+        an upstream socket): probed every ``STARVED_BACKOFF`` seconds."""
+        if self._starve_timer is None:
+            self._starve_timer = self.loop.call_later(STARVED_BACKOFF, self._unstarve)
+
+    def _unstarve(self) -> None:
+        self._starve_timer = None
+        try:  # room for an accepted socket and its upstream one?
+            with socket.socket(), socket.socket():
+                pass
+        except OSError:
+            self.starve()  # not yet: the clients keep waiting in the queues
+            return
+        if self.on_room is not None and self.has_capacity():
+            self.on_room()
 
     def on_accept(self, csock: socket.socket, addr: tuple[str, int], node_port: object) -> None:
         state = self.ports.get(node_port)
@@ -881,19 +975,25 @@ class Forwarder:
             closed.clear()
 
     def set_mask(self, side: _Side, mask: int) -> None:
-        """Watch ``side`` for ``mask`` (0: leave the set, see the module docstring)."""
+        """Watch ``side`` for ``mask`` (0: for errors only, see the module docstring)."""
         old = side.mask
+        mask = mask or _ERRORS_ONLY
         if mask == old or side.closed:
             return
         ep = self._ep
         assert ep is not None
-        if not mask:
-            ep.unregister(side.fd)
-        elif not old:
+        if not old:
             ep.register(side.fd, mask)
         else:
             ep.modify(side.fd, mask)
         side.mask = mask
+
+    def unwatch(self, side: _Side) -> None:
+        """Take ``side`` out of the set (its mask 0) until a ``set_mask`` puts it back."""
+        if side.mask and not side.closed:
+            assert self._ep is not None
+            self._ep.unregister(side.fd)
+            side.mask = 0
 
     def add_side(self, side: _Side, mask: int) -> None:
         """Put ``side`` in the set, watched for ``mask``."""
@@ -981,12 +1081,31 @@ class Forwarder:
             if mark != relay.mark:
                 relay.mark = mark
                 relay.idle_since = now
+                relay.segs = -1
+                # A live connection's bytes reach the counters sweep by sweep,
+                # not only when it ends.
+                relay.count_bytes()
+                self.touch(relay.metrics)
                 continue
             if close_wait and (cl.eof or up.eof or cl.shut or up.shut):
                 limit, reason = close_wait, "close_wait"
             else:
                 limit, reason = established, "established"
-            if limit and now - relay.idle_since >= limit:
+            if not limit or now - relay.idle_since < limit / 2:
+                continue
+            # No payload for half the timeout: from here on, packets without any
+            # (keepalive probes) count too, as conntrack counts every packet. Two
+            # readings of the received segments per idle period, not one a sweep:
+            # one halfway, then one at the timeout.
+            if relay.segs < 0:
+                relay.segs = _segs_in(cl) + _segs_in(up)
+                continue
+            if now - relay.idle_since >= limit:
+                segs = _segs_in(cl) + _segs_in(up)
+                if segs != relay.segs:
+                    relay.segs = segs
+                    relay.idle_since = now
+                    continue
                 if _unsent(cl) or _unsent(up):
                     # Still delivering what it was given (a slow or zero-window
                     # reader): segments, probes and ACKs flow, which conntrack
@@ -1071,10 +1190,12 @@ class Forwarder:
     def close(self) -> None:
         """RST every live connection and release the epoll set. Idempotent."""
         self.abort_all()
-        for timer in (self._deadline_timer, self._sweep_timer, self._log_timer):
+        for timer in (self._deadline_timer, self._sweep_timer, self._log_timer,
+                      self._starve_timer):
             if timer is not None:
                 timer.cancel()
         self._deadline_timer = self._sweep_timer = self._log_timer = None
+        self._starve_timer = None
         self.logs.flush(force=True)  # what was held back is still said
         self._deadlines.clear()
         self._sides.clear()
