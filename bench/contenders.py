@@ -783,6 +783,16 @@ NFQ_QUEUE = 7078
 FLOOR_SOURCE = Path(__file__).with_name("nfqfloor.c")
 
 
+def build_c(source: Path, log_dir: Path) -> Path:
+    """``source`` (a diagnostic floor in C) compiled into ``log_dir``, once per run."""
+    binary = log_dir / source.stem
+    if not binary.exists():
+        cp = sh(["cc", "-O2", "-o", str(binary), str(source)], check=False, timeout=60)
+        if cp.returncode != 0:
+            raise ContenderError(f"cc {source.name}: {cp.stderr.strip()[-300:]}")
+    return binary
+
+
 class NfqFloor(KpxNfqueue):
     """kpx-nfq's own rules, with every SYN answered by a minimal C reader (``nfqfloor.c``).
 
@@ -812,14 +822,7 @@ class NfqFloor(KpxNfqueue):
         return super().unavailable()
 
     def build(self) -> Path:
-        """``nfqfloor.c`` compiled into the log directory, once per contender."""
-        binary = self.log_dir / "nfqfloor"
-        if not binary.exists():
-            cp = sh(["cc", "-O2", "-o", str(binary), str(FLOOR_SOURCE)], check=False,
-                    timeout=60)
-            if cp.returncode != 0:
-                raise ContenderError(f"cc {FLOOR_SOURCE.name}: {cp.stderr.strip()[-300:]}")
-        return binary
+        return build_c(FLOOR_SOURCE, self.log_dir)
 
     def marks(self, path: str) -> dict[int, list[int]]:
         """Each TCP port's FORWARD marks, from kpx-nfq's NodePort DNAT map in node1."""
@@ -921,15 +924,7 @@ class RelayFloor(ProcessContender):
         return None
 
     def build(self) -> Path:
-        """``relayfloor.c`` compiled into the log directory, once per contender."""
-        binary = self.log_dir / "relayfloor"
-        if not binary.exists():
-            cp = sh(["cc", "-O2", "-o", str(binary), str(RELAY_FLOOR_SOURCE)], check=False,
-                    timeout=60)
-            if cp.returncode != 0:
-                raise ContenderError(
-                    f"cc {RELAY_FLOOR_SOURCE.name}: {cp.stderr.strip()[-300:]}")
-        return binary
+        return build_c(RELAY_FLOOR_SOURCE, self.log_dir)
 
     def start(self, path: str) -> None:
         super().start(path)

@@ -22,14 +22,12 @@ from typing import Any
 import pytest
 
 from proxy import metrics
-from proxy.core.balancer import Balancer
-from proxy.core.decision import build_plans
 from proxy.k8s import parse_state
 from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
-from proxy.userspace.forwarder import LINKED, Forwarder, PortMetrics, PortState, Relay
+from proxy.userspace.forwarder import LINKED, Forwarder, Relay
 from tests.support.backends import start
-from tests.support.loops import NODE, NODE_IP, free_port, snap
+from tests.support.loops import NODE, free_port, one_port_forwarder
 from tests.support.netns import REPO
 from tests.support.objects import endpoint_slice, node, service, state_yaml
 from tests.support.wiring import sync_config
@@ -83,12 +81,7 @@ async def rig(**forwarder: Any) -> AsyncIterator[Rig]:
     backend.bind((ENDPOINT, 0))
     backend.listen(64)
     backend.setblocking(False)
-    port = backend.getsockname()[1]
-    state = snap(node(NODE, NODE_IP), service("web", NODE_PORT, port),
-                 endpoint_slice("web", (ENDPOINT, NODE), port=port))
-    plan = build_plans(state, NODE)[NODE_PORT]
-    fwd = Forwarder(asyncio.get_running_loop(), **forwarder)
-    fwd.ports = {NODE_PORT: PortState(plan, Balancer(), PortMetrics(plan.key))}
+    fwd = one_port_forwarder(NODE_PORT, backend.getsockname()[1], ENDPOINT, **forwarder)
     r = Rig(fwd, backend)
     try:
         yield r

@@ -33,8 +33,6 @@ from typing import Any
 
 import pytest
 
-from proxy.core.balancer import Balancer
-from proxy.core.decision import build_plans
 from proxy.userspace import forwarder
 from proxy.userspace.forwarder import (
     CONNECTING,
@@ -44,13 +42,10 @@ from proxy.userspace.forwarder import (
     RELAY_PHASES,
     RELAY_RULES,
     Forwarder,
-    PortMetrics,
-    PortState,
     Relay,
     Rule,
 )
-from tests.support.loops import NODE, NODE_IP, run_on, snap
-from tests.support.objects import endpoint_slice, node, service
+from tests.support.loops import one_port_forwarder, run_on
 
 NODE_PORT = 30080
 GOOD = "127.0.0.9"
@@ -343,13 +338,7 @@ async def rig(
             probe = _listener(BAD)  # a free port: nothing listens there afterwards
             port = probe.getsockname()[1]
             probe.close()
-        snapshot = snap(
-            node(NODE, NODE_IP), service("web", NODE_PORT, port),
-            endpoint_slice("web", *((ip, NODE) for ip in endpoints), port=port),
-        )
-        plan = build_plans(snapshot, NODE)[NODE_PORT]
-        fwd = Forwarder(asyncio.get_running_loop(), **fwd_kwargs)
-        fwd.ports = {NODE_PORT: PortState(plan, Balancer(), PortMetrics(plan.key))}
+        fwd = one_port_forwarder(NODE_PORT, port, *endpoints, **fwd_kwargs)
         r = Rig(fwd, Spy(monkeypatch, fwd), backend)
         try:
             yield r

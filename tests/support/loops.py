@@ -20,10 +20,13 @@ from typing import Any
 
 import uvloop
 
+from proxy.core.balancer import Balancer
+from proxy.core.decision import build_plans
 from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
 from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
+from proxy.userspace.forwarder import Forwarder, PortMetrics, PortState
 from tests.support.netns import free_port as free_port
 from tests.support.objects import endpoint, endpoint_slice, node, service, state_yaml
 from tests.support.wiring import sync_config
@@ -59,6 +62,17 @@ def peer_name(port: int, addr: str = NODE_IP, timeout: float = 3.0) -> str:
 
 def snap(*objs: dict[str, Any], generation: int = 1) -> Snapshot:
     return parse_state(state_yaml(*objs), generation)
+
+
+def one_port_forwarder(node_port: int, port: int, *ips: str, **kwargs: Any) -> Forwarder:
+    """A Forwarder on the running loop whose one NodePort forwards to ``ips`` at ``port``
+    (no listener: a test accepts and hands sockets to ``on_accept``)."""
+    state = snap(node(NODE, NODE_IP), service("web", node_port, port),
+                 endpoint_slice("web", *((ip, NODE) for ip in ips), port=port))
+    plan = build_plans(state, NODE)[node_port]
+    fwd = Forwarder(asyncio.get_running_loop(), **kwargs)
+    fwd.ports = {node_port: PortState(plan, Balancer(), PortMetrics(plan.key))}
+    return fwd
 
 
 def run_on(kind: str, fn: Callable[[], Awaitable[None]], timeout: float = 30.0) -> None:
