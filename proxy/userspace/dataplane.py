@@ -313,8 +313,10 @@ class Dataplane:
         self.forwarder.cluster_cidrs = tuple(
             ipaddress.ip_network(c, strict=False) for c in cluster_cidrs or ()
         )
-        self._passed = tuple(str(c) for c in self.forwarder.cluster_cidrs
-                             if c.version == family)
+        # Merged: nft refuses overlapping intervals in one set (10.0.0.0/8 with
+        # 10.244.0.0/16, or one CIDR twice), and the VIP table would never be written.
+        self._passed = tuple(str(c) for c in ipaddress.collapse_addresses(
+            c for c in self.forwarder.cluster_cidrs if c.version == family))
         """What the VIP guard lets through a Local drop: pods (``--cluster-cidr``), of
         this family only, as its nft sets are (a dual-stack cluster gives both)."""
         self.udp = UdpForwarder(loop, self.forwarder,

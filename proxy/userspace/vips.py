@@ -432,6 +432,9 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"  set drop_all {{ type {addr} . inet_service;{pairs(rules.drop_all)} }}\n"
         f"  set drop_external {{ type {addr} . inet_service;{pairs(rules.drop_external)} }}\n"
         f"  set passed {{ type {addr}; flags interval;{cidrs} }}\n"
+        # VIPs that are local through someone else's route (a node address used as
+        # an externalIP or LB IP): their undeclared ports are the node's, not refused.
+        f"  set foreign {{ type {addr}; }}\n"
         f"  set udp_served {{ type {addr} . inet_service;{pairs(rules.udp_served)} }}\n"
         f"  set udp_drop_all {{ type {addr} . inet_service;{pairs(rules.udp_drop_all)} }}\n"
         f"  set udp_drop_external {{ type {addr} . inet_service;"
@@ -445,6 +448,7 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         # kpx's own answer from a served VIP:port to a node client whose source
         # is the VIP itself (an unbound socket: a local route has no src).
         f"    meta iif lo {ip} saddr . udp sport @udp_served return\n"
+        f"    {ip} daddr @foreign return\n"
         f"    counter reject with {unreachable}\n"
         f"  }}\n"
         f"  chain guard {{\n"
@@ -458,10 +462,21 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"    {ip} daddr . tcp dport @drop_external {ip} saddr != @passed"
         f" fib saddr type != local counter drop\n"
         f"    {ip} daddr . tcp dport @served return\n"
+        f"    {ip} daddr @foreign return\n"
         f"    meta l4proto tcp counter reject with tcp reset\n"
         f"  }}\n"
         f"}}\n"
     )
+
+
+def _with_foreign(script: str, foreign: Iterable[str]) -> str:
+    """``script`` plus, in the same transaction, the wanted VIPs local through a route
+    kpx does not own (a node address): the guard leaves their other ports alone."""
+    foreign = ordered(foreign)
+    if not foreign:
+        return script
+    table = script.split("\n", 1)[0].removeprefix("table ")
+    return script + f"add element {table} foreign {{ {', '.join(foreign)} }}\n"
 
 
 def _rules_steps(script: str) -> Steps[None]:
@@ -641,7 +656,7 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
     if script is not None:
         if add:
             errors.append((yield from _batch_text_steps(diff.add_script)))
-        yield from _rules_steps(script)
+        yield from _rules_steps(_with_foreign(script, wanted & table.others))
         if delete:
             errors.append((yield from _batch_text_steps(diff.delete_script)))
     elif add or delete:
@@ -699,7 +714,7 @@ def _ensure_steps(wanted: frozenset[str], proto: int, script: str | None,
         changes, table = yield from _change_steps(wanted, proto, delete_unwanted=False,
                                                   family=family)
     if script is not None and not (yield from _rules_present_steps(table_name, family)):
-        yield from _rules_steps(script)
+        yield from _rules_steps(_with_foreign(script, wanted & table.others))
         changes = VIPChanges(changes.added, changes.removed, changes.foreign, rules=True)
     return changes, table
 
