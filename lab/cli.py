@@ -103,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0 and args.lab_command not in ("logs",):
         print("kpx lab: needs root (network namespaces)", file=sys.stderr)
         return 1
+    from lab.common import interrupt_on_termination
+
+    interrupt_on_termination()
     try:
         return handler(args)
     except LabError as exc:
@@ -377,11 +380,17 @@ def _health_text(v: dict[str, Any] | None) -> str:
 
 def _exec(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
-    if "--" in cmd:  # options given after TARGET (``exec client --name x -- ...``)
+    # argparse drops the ``--`` right after TARGET, so a ``--`` still in *cmd* is either
+    # the command's own argument (``exec node1 -- grep -- -x f``) or ends options given
+    # after TARGET (``exec client --name x -- ...``): only the latter starts with them.
+    if cmd and (cmd[0] in ("--", "--name") or cmd[0].startswith("--name=")) and "--" in cmd:
         i = cmd.index("--")
         extra = argparse.ArgumentParser(prog="kpx lab exec", add_help=False)
         extra.add_argument("--name", default=args.name)
         args.name = extra.parse_args(cmd[:i]).name
+        if not PREFIX_RE.match(args.name):
+            print(f"kpx lab exec: bad --name {args.name!r}", file=sys.stderr)
+            return 2
         cmd = cmd[i + 1:]
     if not cmd:
         print("kpx lab exec: no command (usage: kpx lab exec TARGET -- CMD...)", file=sys.stderr)

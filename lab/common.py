@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["eventually", "poll", "wait_until", "write_atomic"]
+__all__ = ["eventually", "interrupt_on_termination", "poll", "wait_until", "write_atomic"]
 
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
@@ -98,3 +99,20 @@ async def eventually(predicate: Callable[[], T], timeout: float, interval: float
     while not (value := predicate()):
         await asyncio.sleep(pacer.pause())
     return value
+
+
+def interrupt_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does.
+
+    ``kpx lab up`` and ``kpx demo`` clean up half-built labs in ``except
+    BaseException``/``finally``; Python's default SIGTERM action ends the
+    process without running either, leaving namespaces and processes behind.
+    Only the first signal interrupts: a second one must not cut the cleanup short.
+    """
+    def _raise(signum: int, frame: object) -> None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise)

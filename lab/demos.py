@@ -108,7 +108,7 @@ class Narrator:
 class Attempt:
     """One measured connection: what happened and how long it took."""
 
-    outcome: str  # "answered" | "timeout" | "refused" | "reset" | "error: ..."
+    outcome: str  # "answered" | "timeout" | "no reply" | "refused" | "reset" | "error: ..."
     elapsed: float
     reply: dict[str, Any] | None = None
 
@@ -133,11 +133,21 @@ class Attempt:
 
 def attempt(lab: Any, src: str, ip: str, port: int, timeout: float = REQUEST_TIMEOUT) -> Attempt:
     """Open one connection from namespace *src* and record the outcome, never raising."""
+    from lab.probes import _read_line, family_of
+
     start = time.monotonic()
+    connected = False
     try:
-        reply = lab.request(src, ip, port, mode="WHO", timeout=timeout)
+        # lab.request's timeout is per operation: a connection that was accepted and then
+        # never answered would also end in TimeoutError, and read as a dropped SYN.
+        with lab.socket(src, family_of(ip)) as s:
+            s.settimeout(timeout)
+            s.connect((ip, port))
+            connected = True
+            s.sendall(b"WHO\n")
+            reply = json.loads(_read_line(s))
     except TimeoutError:
-        return Attempt("timeout", time.monotonic() - start)
+        return Attempt("no reply" if connected else "timeout", time.monotonic() - start)
     except ConnectionRefusedError:
         return Attempt("refused", time.monotonic() - start)
     except ConnectionResetError:
@@ -876,6 +886,9 @@ def run(args: argparse.Namespace) -> int:
         # The narration is the output; the lab's own progress lines would interleave.
         logging.getLogger("kpx.lab").setLevel(logging.WARNING)
         logging.getLogger("kpx.lb").setLevel(logging.WARNING)
+    from lab.common import interrupt_on_termination
+
+    interrupt_on_termination()
     say = Narrator()
     chosen = list(DEMOS) if args.demo == "all" else [args.demo]
     results: list[tuple[str, bool]] = []

@@ -126,6 +126,7 @@ from typing import Any
 
 import yaml
 
+from lab.lb.config import MIN_SECONDS, PROBE_PATH
 from lab.topology import INFRA_NETWORKS, LAB_NETWORKS, SERVICE_CIDR6
 
 MAX_NODES = 50
@@ -1121,10 +1122,24 @@ def _parse_lb(raw: Any, services: list[dict[str, Any]], problems: list[str],
         problems.append(f"loadBalancer.service: {key} must be of type LoadBalancer or NodePort")
     if not isinstance(probe["path"], str) or not probe["path"].startswith("/"):
         problems.append("loadBalancer.probe.path: must start with /")
+    elif not PROBE_PATH.fullmatch(probe["path"]):
+        # It goes into an HTTP request line as is: ASCII, no spaces, no control bytes.
+        problems.append(f"loadBalancer.probe.path: {probe['path']!r} must be printable ASCII"
+                        " without spaces (percent-encode anything else)")
+    # The same bounds the load balancer's resolve() enforces when it starts: a value it
+    # would refuse must not pass here, or ``up`` builds a whole lab only to tear it down
+    # and ``apply`` records a config the running LB never takes.
     for k in ("interval", "timeout"):
         v = probe[k]
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-            problems.append(f"loadBalancer.probe.{k}: must be a positive number of seconds")
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < MIN_SECONDS:
+            problems.append(f"loadBalancer.probe.{k}: must be a number of seconds"
+                            f" >= {MIN_SECONDS:g}")
+    if "port" in lb and not (_is_int(lb["port"]) and 1 <= lb["port"] <= 65535):
+        problems.append(f"loadBalancer.port: must be a port number 1-65535, got {lb['port']!r}")
+    ct = lb.get("connectTimeout", 2.0)
+    if isinstance(ct, bool) or not isinstance(ct, int | float) or ct < MIN_SECONDS:
+        problems.append(f"loadBalancer.connectTimeout: must be a number of seconds"
+                        f" >= {MIN_SECONDS:g}, got {ct!r}")
     for k in ("healthyThreshold", "unhealthyThreshold"):
         if not _is_int(probe[k]) or probe[k] < 1:
             problems.append(f"loadBalancer.probe.{k}: must be an integer >= 1")

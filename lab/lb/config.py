@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -142,6 +143,13 @@ def _merged(section: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+MIN_SECONDS = 0.05
+"""The shortest probe interval, probe timeout and connect timeout the LB takes."""
+PROBE_PATH = re.compile(r"/[!-~]*")
+"""An HTTP probe path as it goes into the request line: ASCII, no spaces, no control
+bytes (anything else is percent-encoded)."""
+
+
 def resolve(
     section: Mapping[str, Any] | None,
     *,
@@ -189,6 +197,9 @@ def resolve(
     path = str(p["path"])
     if p["type"] == "http" and not path.startswith("/"):
         problems.append(f"loadBalancer.probe.path: {path!r} does not start with /")
+    elif p["type"] == "http" and not PROBE_PATH.fullmatch(path):
+        problems.append(f"loadBalancer.probe.path: {path!r} is not printable ASCII without"
+                        " spaces")
 
     raw_port = p["port"]
     if raw_port == "healthCheckNodePort":
@@ -203,13 +214,13 @@ def resolve(
             "or a port number"
         )
         probe_port = 0
-    interval = number("probe.interval", p["interval"], lo=0.05)
-    timeout = number("probe.timeout", p["timeout"], lo=0.05)
+    interval = number("probe.interval", p["interval"], lo=MIN_SECONDS)
+    timeout = number("probe.timeout", p["timeout"], lo=MIN_SECONDS)
     healthy = int(number("probe.healthyThreshold", p["healthyThreshold"], lo=1, integer=True))
     unhealthy = int(
         number("probe.unhealthyThreshold", p["unhealthyThreshold"], lo=1, integer=True)
     )
-    connect_timeout = number("connectTimeout", s["connectTimeout"], lo=0.05)
+    connect_timeout = number("connectTimeout", s["connectTimeout"], lo=MIN_SECONDS)
     if not node_port:
         problems.append(f"loadBalancer.service: {s.get('service')!r} has no nodePort")
     if not backends:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -190,6 +191,31 @@ def test_up_replaces_an_existing_lab(cli: Cli, tmp_path: Path) -> None:
     assert all_dead(old)
     [pod] = cli.status()["pods"]
     assert pod["node"] == "node3" and pod["alive"]
+
+
+def test_exec_passes_the_commands_own_double_dash_through(cli: Cli, tmp_path: Path) -> None:
+    cli("up", lab_file(tmp_path, lb=False), "--no-proxies")
+    assert cli("exec", "client", "--", "echo", "a", "--", "b").stdout == "a -- b\n"
+
+
+def test_sigterm_during_up_removes_what_up_built(cli: Cli, tmp_path: Path) -> None:
+    """As Ctrl-C does: SIGTERM's default action skipped the clean-up and left the lab's
+    namespaces and processes behind, its record stuck at "creating"."""
+    assert KPX
+    up = subprocess.Popen([KPX, "lab", "up", "--name", cli.name, lab_file(tmp_path)],
+                          env=cli.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    try:
+        wait_until(cli.namespaces, 20, 0.02, "the lab's first namespaces")
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    assert up.returncode != 0, "up finished before the signal: nothing was interrupted"
+    assert not cli.namespaces(), err
+    assert "nothing to remove" in cli("down").stdout
 
 
 def test_bad_input_is_explained(cli: Cli, tmp_path: Path) -> None:
