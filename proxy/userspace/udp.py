@@ -329,14 +329,8 @@ class UdpForwarder:
         fkey: FlowKey = (client[0], client[1], dst[0], dst[1])
         flow = self.flows.get(fkey, now)
         plan = port.plan
-        if flow is not None and flow.plan is not plan:
-            if still_eligible(plan, flow.endpoint, client[0], self.tcp.local_addresses,
-                              self.tcp.cluster_cidrs):
-                flow.plan = plan
-            else:
-                self.counts.repicked += 1
-                self._end(flow)
-                flow = None
+        if flow is not None and flow.plan is not plan and not self._follow(flow, plan):
+            flow = None
         if flow is None:
             flow = self._new_flow(front, port, fkey, now)
             if flow is None:
@@ -419,18 +413,18 @@ class UdpForwarder:
             return
         sock, front = up
         client, local = flow.client, flow.local
+        # What the endpoint sends is judged as the client's datagrams are: once it
+        # has left the plan in force (removed, not ready, no longer a candidate), it
+        # is not forwarded, and the flow ends.
         port = self.ports.get(flow.plan.table_key)
-        if port is None or (port.plan is not flow.plan and not still_eligible(
-                port.plan, flow.endpoint, client[0], self.tcp.local_addresses,
-                self.tcp.cluster_cidrs)):
-            # The endpoint left the plan in force (removed, not ready, no longer a
-            # candidate): what it still sends is not forwarded, and its flow ends.
+        if port is None:  # (a sync that drops a port ends its flows: kept safe anyway)
             self.counts.repicked += 1
             self._end(flow)
             self._dirty()
             return
-        if port.plan is not flow.plan:
-            flow.plan = port.plan
+        if port.plan is not flow.plan and not self._follow(flow, port.plan):
+            self._dirty()
+            return
         vip_reply = front.table_key is None
         c = self.counts
         for _ in range(BATCH):
@@ -457,6 +451,17 @@ class UdpForwarder:
             c.bytes_to_client += len(data)
             self.flows.touch(flow, time.monotonic(), reply=True)
         self._dirty()
+
+    def _follow(self, flow: Flow, plan: PortPlan) -> bool:
+        """Whether ``flow`` goes on under ``plan``, the one now in force for its port
+        (then adopted); if its endpoint is no longer eligible, the flow ends."""
+        if still_eligible(plan, flow.endpoint, flow.client[0], self.tcp.local_addresses,
+                          self.tcp.cluster_cidrs):
+            flow.plan = plan
+            return True
+        self.counts.repicked += 1
+        self._end(flow)
+        return False
 
     def _reply_socket(self, local: tuple[str, int]) -> socket.socket | _RawReply:
         """The socket that answers from ``VIP:port``; bound on first use, never reading.
