@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from healthz.http import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Handler, HttpListener
 from healthz.metrics import PROXY_MODE, MetricsServer
@@ -57,6 +59,7 @@ class Sidecar:
         header_timeout: float = DEFAULT_HEADER_TIMEOUT,
         retry_interval: float = 5.0,
         healthz_ipv6: bool = False,
+        configz: Mapping[str, Any] | None = None,
     ) -> None:
         self.health = health
         self.healthz_bind = healthz_bind
@@ -73,7 +76,7 @@ class Sidecar:
             retry_interval=retry_interval,
         )
         self.node_health = NodeHealthServer(health)
-        self.metrics = MetricsServer(proxy_mode=proxy_mode)
+        self.metrics = MetricsServer(proxy_mode=proxy_mode, configz=configz)
         self._listeners: dict[str, HttpListener] = {}
         self._retries: dict[str, asyncio.Task[None]] = {}
         self._closing: list[HttpListener] = []
@@ -82,14 +85,24 @@ class Sidecar:
         self._stopped = False
 
     @classmethod
-    def from_flags(cls, health: ProxyHealth, args: argparse.Namespace) -> Sidecar:
-        """The sidecar as ``kpx node`` and ``kpx healthz`` configure it from their flags."""
+    def from_flags(
+        cls,
+        health: ProxyHealth,
+        args: argparse.Namespace,
+        configz: Mapping[str, Any] | None = None,
+    ) -> Sidecar:
+        """The sidecar as ``kpx node`` and ``kpx healthz`` configure it from their flags.
+
+        ``configz``: what ``/configz`` serves (``MetricsServer``), built by
+        the caller, which knows what its flags mean.
+        """
         return cls(
             health,
             healthz_bind=args.healthz_bind_address,
             metrics_bind=args.metrics_bind_address,
             retry_interval=min(5.0, args.sync_period),
             proxy_mode=getattr(args, "proxy_mode", PROXY_MODE),
+            configz=configz,
         )
 
     @property

@@ -176,7 +176,7 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-bind-address", default="127.0.0.1:10249", type=bind_address_flag(10249),
         metavar="IP:PORT",
-        help="/metrics and /proxyMode (default 127.0.0.1:10249)",
+        help="/metrics, /proxyMode and (kpx node) /configz (default 127.0.0.1:10249)",
     )
     parser.add_argument(
         "--sync-period", type=parse_positive, default=30.0, metavar="DURATION",

@@ -55,6 +55,7 @@ import uvloop
 
 from healthz.proxy_health import ProxyHealth
 from healthz.sidecar import Sidecar
+from proxy.commands.configz import CONFIGZ_NAME, kube_proxy_configuration
 from proxy.commands.workers import supervise
 from proxy.core.sync import SyncConfig
 from proxy.defaults import DEFAULT_MAX_BYTES
@@ -118,6 +119,13 @@ def sync_config(args: argparse.Namespace) -> SyncConfig:
         masquerade_all=getattr(args, "masquerade_all", False),
         nodeport_cidrs=tuple(args.nodeport_addresses or ()),
         vips=True,
+    )
+
+
+def node_sidecar(hub: StateHub, args: argparse.Namespace) -> Sidecar:
+    """``kpx node``'s health and metrics ports; ``/configz`` says what its flags are."""
+    return Sidecar.from_flags(
+        hub.health, args, configz={CONFIGZ_NAME: kube_proxy_configuration(args)}
     )
 
 
@@ -189,7 +197,7 @@ async def serve(args: argparse.Namespace, config: KubeConfig | None) -> int:
     planes = [dp for dp in (dataplane, dataplane6) if dp is not None]
     sidecar = None
     if not args.no_healthz and worker_index == 0:
-        sidecar = Sidecar.from_flags(hub.health, args)
+        sidecar = node_sidecar(hub, args)
     attach_proxier(args, hub, sidecar, dataplane, dataplane6)
 
     watcher = await start_source_unless_stopped(source, args.sync_period, signals)
@@ -642,7 +650,7 @@ async def serve_nfqueue(args: argparse.Namespace, loop: asyncio.AbstractEventLoo
                                  batch_wait=args.queue_batch_wait,
                                  cluster_cidrs=args.cluster_cidr, health=hub.health,
                                  successor=queue_passed, inherited=queue)
-    sidecar = None if args.no_healthz else Sidecar.from_flags(hub.health, args)
+    sidecar = None if args.no_healthz else node_sidecar(hub, args)
     # One instance serves both families (one queue, one socket): it is the IPv6
     # dataplane too, so the proxier hands it the IPv6 result and reports IPv6.
     attach_proxier(args, hub, sidecar, dataplane,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 
@@ -10,6 +11,7 @@ import pytest
 from healthz.metrics import MetricsServer
 from healthz.proxy_health import NodeHealthServer, ProxyHealth, rfc3339nano
 from healthz.sidecar import Sidecar
+from proxy.commands import node, wiring
 from proxy.core.model import Node
 from proxy.proxier import Proxier
 from proxy.sources.hub import StateHub
@@ -195,6 +197,62 @@ async def test_metrics_port(hub: StateHub) -> None:
             assert head.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"ok"
         head, body = split_response(await http_raw(port, get("/nope")))
         assert head.startswith(b"HTTP/1.1 404 Not Found\r\n") and body == b"404 page not found\n"
+    finally:
+        await sidecar.stop()
+
+
+async def test_configz_on_the_metrics_port_says_the_flags_kpx_node_runs_with(
+    hub: StateHub,
+) -> None:
+    """component-base configz's handler: JSON by registered name, any method, no 404.
+
+    kube-proxy registers its internal configuration (Go field names, no
+    kind/apiVersion); the values are the flags, here non-default ones.
+    """
+    parser = argparse.ArgumentParser()
+    node.configure(parser)
+    args = parser.parse_args([
+        "--hostname-override", "node-a", "--conntrack-tcp-timeout-established", "12h",
+        "--masquerade-all", "--healthz-bind-address", "127.0.0.1:0",
+        "--metrics-bind-address", "127.0.0.1:0",
+    ])
+    sidecar = wiring.node_sidecar(hub, args)
+    await sidecar.start()
+    assert sidecar.metrics_address is not None
+    port = sidecar.metrics_address[1]
+    try:
+        for method in ("GET", "POST", "PUT"):  # configz never looks at the method
+            head, body = split_response(await http_raw(port, get("/configz", method)))
+            assert head == (
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"X-Content-Type-Options: nosniff\r\nDate: DATE\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n".encode()
+            ), method
+            doc = json.loads(body)
+            assert list(doc) == ["kubeproxy.config.k8s.io"]
+            config = doc["kubeproxy.config.k8s.io"]
+            assert "kind" not in config and "apiVersion" not in config
+            assert config["Linux"]["Conntrack"]["TCPEstablishedTimeout"] == "12h0m0s"
+            assert config["Linux"]["Conntrack"]["TCPCloseWaitTimeout"] == "1h0m0s"
+            assert config["Linux"]["MasqueradeAll"] is True
+            assert config["HostnameOverride"] == "node-a"
+            assert config["MetricsBindAddress"] == "127.0.0.1:0"  # the flag, as given
+            assert config["Mode"] == "userspace"
+        head, body = split_response(await http_raw(port, get("/configz", "HEAD")))
+        assert head.startswith(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        assert body == b""
+    finally:
+        await sidecar.stop()
+
+
+async def test_no_configz_where_nothing_is_registered(hub: StateHub) -> None:
+    """``kpx healthz`` registers no configuration: its metrics port has no ``/configz``."""
+    sidecar = await start_sidecar(hub)
+    assert sidecar.metrics_address is not None
+    try:
+        head, body = split_response(await http_raw(sidecar.metrics_address[1], get("/configz")))
+        assert head.startswith(b"HTTP/1.1 404 Not Found\r\n")
+        assert body == b"404 page not found\n"
     finally:
         await sidecar.stop()
 
