@@ -88,7 +88,10 @@ the next kpx, but the ARP settings stay strict (the originals died with it).
 Something outside kpx may delete the routes (``ip route flush``, a network
 manager that cleans foreign routes such as systemd-networkd with
 ``ManageForeignRoutes=yes``): ``ensure``, run every sync period by the
-owner, puts back what is missing and reports it.
+owner, puts back what is missing and reports it. It also sees a node
+address added on a VIP after kpx's route (the kernel's ``local`` route
+beside kpx's), or removed again, and moves the VIP into or out of the
+guard's ``foreign`` set.
 
 IPv6 (``LocalVIPs(family=6)``, the IPv6 dataplane's): the same design in the
 other family. Each VIP is ``local <VIP>/128 dev lo table local proto 107``
@@ -475,8 +478,33 @@ def _with_foreign(script: str, foreign: Iterable[str]) -> str:
     foreign = ordered(foreign)
     if not foreign:
         return script
-    table = script.split("\n", 1)[0].removeprefix("table ")
-    return script + f"add element {table} foreign {{ {', '.join(foreign)} }}\n"
+    return script + f"add element {_table_of(script)} foreign {{ {', '.join(foreign)} }}\n"
+
+
+def _table_of(script: str) -> str:
+    """The table an ``nft_script`` writes, as nft names it: ``ip kpx_vips``."""
+    return script.split("\n", 1)[0].removeprefix("table ")
+
+
+def _foreign_steps(table: str, foreign: Iterable[str], before: Iterable[str]) -> Steps[None]:
+    """Make the ``foreign`` set of ``table`` (``ip kpx_vips``) exactly ``foreign``, atomically.
+
+    A node address added or removed while kpx's own route for it stays
+    (``ip addr add`` of an address that is a VIP already) changes no route of
+    kpx's and no wanted VIP: only this set, so the node's other ports on the
+    address are given back, or refused again, without rewriting the table.
+    """
+    foreign, before = frozenset(foreign), frozenset(before)
+    if came := ordered(foreign - before):
+        log.info("service VIPs now local through a route kpx does not own as well (a node"
+                 " address); their other ports are left to the node: %s", " ".join(came[:10]))
+    if went := ordered(before - foreign):
+        log.info("service VIPs no longer local through a route kpx does not own; their"
+                 " undeclared ports are refused again: %s", " ".join(went[:10]))
+    text = f"flush set {table} foreign\n"
+    if foreign:
+        text += f"add element {table} foreign {{ {', '.join(ordered(foreign))} }}\n"
+    yield from _rules_steps(text)
 
 
 def _rules_steps(script: str) -> Steps[None]:
@@ -560,7 +588,11 @@ class LocalTable(NamedTuple):
     ours: frozenset[str]
     """Host routes of type local with kpx's proto."""
     others: frozenset[str]
-    """Every other host-route destination in the table (any type, any proto)."""
+    """Every host-route destination with a route that is not kpx's (any type, any proto).
+
+    It may be in ``ours`` too: an address added to an interface after kpx
+    made it a VIP gets the kernel's ``local`` route (``proto kernel``, its
+    device) beside kpx's, and is the node's as much as a VIP."""
 
 
 def parse_local_table(listing: str, proto: int = VIP_PROTO) -> LocalTable:
@@ -581,7 +613,7 @@ def parse_local_table(listing: str, proto: int = VIP_PROTO) -> LocalTable:
             continue
         mine = kind in ("2", "local") and mark in line + " "
         (ours if mine else others).add(dst)
-    return LocalTable(frozenset(ours), frozenset(others - ours))
+    return LocalTable(frozenset(ours), frozenset(others))
 
 
 def batch_script(add: Iterable[str], delete: Iterable[str], proto: int = VIP_PROTO) -> str:
@@ -679,6 +711,9 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
                 f"{errors[0][:500]}")
         # A line that failed because someone else's route appeared meanwhile is fine.
         add = sorted(after.ours.intersection(add))
+        if script is not None and wanted & after.others != wanted & table.others:
+            yield from _foreign_steps(_table_of(script), wanted & after.others,
+                                      wanted & table.others)
         table = after
     else:
         table = LocalTable(table.ours.union(add).difference(delete), table.others)
@@ -688,34 +723,33 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
     return changes, table
 
 
-def _ours_steps(proto: int, family: int = 4) -> Steps[frozenset[str] | None]:
-    """The destinations of kpx's routes, from one line each: split, not JSON (10 ms for 50,000)."""
-    res = yield ["ip", f"-{family}", "-o", "route", "show", "table", LOCAL_TABLE, "proto",
-                 str(proto)], None
-    if res.returncode != 0:
-        return None
-    return frozenset(ln.split(None, 2)[1].removesuffix("/32").removesuffix("/128")
-                     for ln in res.stdout.splitlines() if ln.strip())
-
-
 def _ensure_steps(wanted: frozenset[str], proto: int, script: str | None,
                   table_name: str = NFT_TABLE, known: LocalTable | None = None,
                   family: int = 4) -> Steps[tuple[VIPChanges, LocalTable]]:
     """Put back missing routes, and the nft table if it is gone; never deletes.
 
-    With ``known`` (the last sync's table) and exactly its kpx routes in
-    place, nothing else is listed or parsed: the every-period check stays one
-    ``ip`` run and a split per route however many VIPs there are.
+    One listing of the whole ``local`` table (one ``ip`` run, a split per
+    route), not only kpx's routes: a wanted VIP that became local through
+    someone else's route as well (a node address added after kpx made it a
+    VIP), or stopped being so, moves in or out of the guard's ``foreign``
+    set here, not at the next VIP change. ``known`` (the last sync's table)
+    is what the nft set holds; if nothing changed, it stays the table (a
+    ``RouteDiff`` made from it beforehand still applies).
     """
-    if (known is not None and wanted <= known.ours | known.others
-            and (yield from _ours_steps(proto, family)) == known.ours):
+    table = yield from _table_steps(proto, family)
+    if known is not None and table == known and wanted <= known.ours | known.others:
         changes, table = VIPChanges(foreign=tuple(sorted(wanted & known.others))), known
     else:
         changes, table = yield from _change_steps(wanted, proto, delete_unwanted=False,
-                                                  family=family)
-    if script is not None and not (yield from _rules_present_steps(table_name, family)):
-        yield from _rules_steps(_with_foreign(script, wanted & table.others))
-        changes = VIPChanges(changes.added, changes.removed, changes.foreign, rules=True)
+                                                  known=table, family=family)
+    if script is not None:
+        foreign = wanted & table.others
+        if not (yield from _rules_present_steps(table_name, family)):
+            yield from _rules_steps(_with_foreign(script, foreign))
+            changes = VIPChanges(changes.added, changes.removed, changes.foreign, rules=True)
+        elif known is None or foreign != wanted & known.others:
+            yield from _foreign_steps(f"{_ip(family)} {table_name}", foreign,
+                                      wanted & known.others if known is not None else ())
     return changes, table
 
 
@@ -843,8 +877,9 @@ class LocalVIPs:
     def ensure(self) -> VIPChanges:
         """Put back what is missing of the last ``sync``: routes, rules, ARP settings.
 
-        Never deletes. Returns what was repaired (``added``, ``rules``,
-        ``arp``); nothing before the first ``sync``/``install``.
+        Never deletes a route; brings the guard's ``foreign`` set up to date.
+        Returns what was repaired (``added``, ``rules``, ``arp``); nothing
+        before the first ``sync``/``install``.
         """
         if not self.installed:
             return VIPChanges()

@@ -7,7 +7,9 @@ node's address), with TCP echo servers for the endpoint and a node process.
   does so, ipMode VIP), is local through a route kpx does not own: kpx steers the
   service's own ports there, and must leave every other port of the node alone (SSH,
   the kubelet, the NodePorts, VXLAN), where kube-proxy rejects undeclared ports only on
-  ClusterIPs.
+  ClusterIPs. The same once the address is added *after* kpx made it a VIP (kpx's own
+  route came first): the guard's every-period check sees the address's route and gives
+  the node its other ports back, and takes them again when the address goes.
 - ``--cluster-cidr`` entries that overlap (10.0.0.0/8 with 10.244.0.0/16) are merged
   before they become an nft interval set, which refuses overlaps: the VIP guard's table
   is written, not left out while the VIP routes are in.
@@ -18,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import time
 from typing import Any
 
 import pytest
 
+from healthz.proxy_health import ProxyHealth
 from proxy.core.model import LoadBalancerIngress, Node, ServicePort
 from proxy.core.sync import SyncConfig
 from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
-from proxy.userspace.vips import LocalVIPs
+from proxy.userspace.vips import LocalVIPs, VIPGuard
 from tests.support.loops import run_on
 from tests.support.model import endpoint, endpoint_slice, service, snapshot
 from tests.support.netns import in_fresh_netns, prefix, sh
@@ -122,6 +126,48 @@ def node_address_as(external: str) -> Any:
 @pytest.mark.parametrize("external", ["ip", "lb"], ids=["externalIP", "lb-ingress-ip"])
 def test_a_node_address_used_as_a_vip_keeps_the_nodes_other_ports(external: str) -> None:
     in_fresh_netns("vipedge", run_on, "uvloop", node_address_as(external), 30.0)
+
+
+async def eventually(addr: str, port: int, answer: str, within: float = 10.0) -> None:
+    """Poll ``ask`` until it gives ``answer``; fail with the last one past ``within``."""
+    deadline = time.monotonic() + within
+    while (got := await ask(addr, port)) != answer:
+        assert time.monotonic() < deadline, f"{addr}:{port} still gives {got!r}, not {answer!r}"
+        await asyncio.sleep(0.05)
+
+
+async def node_address_added_later() -> None:
+    running = await servers()
+    dp = Dataplane(loop=asyncio.get_running_loop(),
+                   local_vips=LocalVIPs(base=f"@{prefix()}vipedge"))
+    assert dp.local_vips is not None
+    guard = asyncio.create_task(VIPGuard(dp.local_vips, ProxyHealth(), period=0.1).run())
+    try:
+        Proxier(SyncConfig(NODE, vips=True), dataplane=dp).sync(state("ip"))
+        await dp.vips_synced()
+        # Not yet a node address: a VIP like a ClusterIP, its undeclared ports refused.
+        assert await ask(NODE_IP, 2222) == "refused"
+
+        sh("ip", "addr", "add", f"{NODE_IP}/24", "dev", "lo")
+        await eventually(NODE_IP, 2222, "sshd")  # no VIP change: the guard's check saw it
+        assert await ask(NODE_IP, 81) == "sshd"
+        assert await ask(NODE_IP, 80) == "pong:ping"  # the service's own port
+        assert await ask(VIP, 81) == "refused"
+        assert await asyncio.to_thread(datagram_reaches_the_node)
+
+        # The address goes: kpx's route kept the VIP local, and its other ports are refused.
+        sh("ip", "addr", "del", f"{NODE_IP}/24", "dev", "lo")
+        await eventually(NODE_IP, 2222, "refused")
+        assert await ask(NODE_IP, 80) == "pong:ping"
+    finally:
+        guard.cancel()
+        dp.close()
+        for s in running:
+            s.close()
+
+
+def test_a_node_address_added_after_it_became_a_vip_gets_its_other_ports_back() -> None:
+    in_fresh_netns("vipaddr", run_on, "uvloop", node_address_added_later, 30.0)
 
 
 async def overlapping_cluster_cidrs() -> None:

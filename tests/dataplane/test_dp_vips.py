@@ -191,6 +191,10 @@ def test_listing_and_batch_text() -> None:
     ])
     table = parse_local_table(listing)
     assert table.ours == {A} and table.others == {FOREIGN, "10.96.0.20", "127.255.255.255"}
+    # An address added after kpx made it a VIP: the kernel's route beside kpx's, both counted.
+    both = parse_local_table(f"2 {A} dev lo proto {VIP_PROTO} scope 254 \n"
+                             f"2 {A} dev eth0 proto 2 scope 254 src {A} \n")
+    assert both.ours == {A} and both.others == {A}
     text = batch_script([B], [A]).splitlines()
     # Deletes name kpx's proto (the kernel matches it); adds never replace anyone's route.
     assert text == [f"route del local {A}/32 table local proto {VIP_PROTO}",
