@@ -124,6 +124,16 @@ def _attach(args: argparse.Namespace) -> Lab:
     return Lab.attach(_run_dir(args))
 
 
+def _attach_to_read(args: argparse.Namespace) -> Lab:
+    """The lab for a command that reads only its topology, names and addresses (status,
+    exec): a recorded ``loadBalancer`` section this kpx refuses is left out, and said so."""
+    lab = Lab.attach(_run_dir(args), lenient=True)
+    for problem in lab.refused:
+        print(f"kpx lab {args.lab_command}: the recorded load balancer settings are refused"
+              f" and left out: {problem}", file=sys.stderr)
+    return lab
+
+
 PROXY_MODULES = ("proxy.commands.node", "proxy.commands.wiring")
 """What ``kpx node`` needs importable: its flags and claim, then the wiring of source, hub,
 proxier and dataplane (CONTRACTS.md)."""
@@ -280,7 +290,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    lab = _attach(args)
+    lab = _attach_to_read(args)
     st = lab.status()
     if args.json:
         print(json.dumps(st, indent=2, default=str))
@@ -319,7 +329,10 @@ def _status(args: argparse.Namespace) -> int:
     print()
     # The load balancer's per-node probe results, as lab.lb.control.status() reports them.
     lb = st.get("loadBalancer")
-    if lab.spec.load_balancer is None:
+    if lab.refused:
+        print("load balancer: left out, its recorded settings are refused: "
+              + "; ".join(lab.refused))
+    elif lab.spec.load_balancer is None:
         print("load balancer: none in this lab")
     elif not lb:
         print("load balancer: not running (no probe results)")
@@ -395,7 +408,7 @@ def _exec(args: argparse.Namespace) -> int:
     if not cmd:
         print("kpx lab exec: no command (usage: kpx lab exec TARGET -- CMD...)", file=sys.stderr)
         return 2
-    lab = _attach(args)
+    lab = _attach_to_read(args)
     try:
         ns = lab.ns(args.target)
     except KeyError as exc:

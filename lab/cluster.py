@@ -182,6 +182,10 @@ class Lab(Traffic, Pods):
 
         self._lock = RunDirLock(self.run_dir / ".lock")
         self._attached = False
+        self._lenient = False
+        self.refused: tuple[str, ...] = ()
+        """What of the recorded spec this kpx refuses and left out (``LabSpec.from_record``):
+        only a lab attached ``lenient``, which never changes the lab."""
         self._pods: dict[str, PodRecord] = {}
         self._services: list[dict[str, Any]] = []
         self._namespaces: list[str] = []
@@ -259,16 +263,24 @@ class Lab(Traffic, Pods):
             remove_record(self.run_dir)
 
     @classmethod
-    def attach(cls, run_dir: str | os.PathLike[str]) -> Lab:
-        """The lab recorded in *run_dir*/lab.json, for a process that did not start it."""
+    def attach(cls, run_dir: str | os.PathLike[str], *, lenient: bool = False) -> Lab:
+        """The lab recorded in *run_dir*/lab.json, for a process that did not start it.
+
+        *lenient*: for a command that only reads the lab's topology, names and
+        addresses (``status``, ``exec``). A recorded ``loadBalancer`` section
+        this kpx refuses is left out and named in ``refused``, instead of
+        failing; such a lab cannot be changed (``LabError``), only removed.
+        """
         data = read_record(run_dir)
         opts = data.get("options", {})
-        lab = cls(LabSpec.from_dict(data["spec"], check_lb_service=False), data["prefix"],
+        spec, _ = _recorded_spec(data, lenient)
+        lab = cls(spec, data["prefix"],
                   run_dir, opts.get("start_proxies", True), opts.get("extra_proxy_args", ()),
                   healthz_port=opts.get("healthz_port", HEALTHZ_PORT),
                   metrics_port=opts.get("metrics_port", METRICS_PORT),
                   stop_grace=opts.get("stop_grace", 2.0))
         lab._attached = True
+        lab._lenient = lenient
         lab._load(data)
         return lab
 
@@ -610,7 +622,8 @@ class Lab(Traffic, Pods):
         return {"name": self.prefix, "run_dir": str(self.run_dir), "dualStack": self.dual_stack,
                 "state": str(self.state_path), "client_ip": str(self.client_ip),
                 "client_ip6": topology.CLIENT_IP6 if self.dual_stack else None, "nodes": nodes,
-                "pods": pods, "services": services, "loadBalancer": self._lb_status(),
+                "pods": pods, "services": services, "refused": list(self.refused),
+                "loadBalancer": self._lb_status(),
                 "loadBalancer6": self._lb_status(6) if self.dual_stack else None}
 
     # ------------------------------------------------------------------ internals
@@ -631,6 +644,9 @@ class Lab(Traffic, Pods):
                     self._load(json.loads(path.read_text()))
                 except FileNotFoundError:
                     raise LabError(f"the lab in {self.run_dir} is gone") from None
+                if self.refused:  # a save would drop the section it left out
+                    raise LabError(f"{LAB_JSON} holds settings this kpx refuses"
+                                   f" ({'; '.join(self.refused)}); `kpx lab down` removes it")
                 self._finish_due()
             yield
 
@@ -765,7 +781,7 @@ class Lab(Traffic, Pods):
         write_atomic(self.run_dir / LAB_JSON, json.dumps(data, indent=1) + "\n")
 
     def _load(self, data: Mapping[str, Any]) -> None:
-        self.spec = LabSpec.from_dict(data["spec"], check_lb_service=False)
+        self.spec, self.refused = _recorded_spec(data, self._lenient)
         self.plan = _plan(self.prefix, self.spec)
         self._status = data.get("status", "up")
         self._namespaces = list(data.get("namespaces", []))
@@ -811,6 +827,13 @@ class Lab(Traffic, Pods):
             return lb_control.status(self.run_dir, family)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _recorded_spec(data: Mapping[str, Any], lenient: bool) -> tuple[LabSpec, tuple[str, ...]]:
+    """The spec in a ``lab.json`` record, and what of it was refused (``Lab.attach``)."""
+    if lenient:
+        return LabSpec.from_record(data["spec"], f"{LAB_JSON} spec")
+    return LabSpec.from_dict(data["spec"], check_lb_service=False), ()
 
 
 def _plan(prefix: str, spec: LabSpec) -> topology.Plan:

@@ -321,6 +321,29 @@ class LabSpec:
                    str(cidr) if cidr else DEFAULT_SERVICE_CIDR, routes, node_ips, pod_cidrs,
                    node_fields, dual_stack)
 
+    @classmethod
+    def from_record(cls, data: Mapping[str, Any], source: str = "lab spec"
+                    ) -> tuple[LabSpec, tuple[str, ...]]:
+        """A running lab's recorded spec, for a command that only reads it; and what it refused.
+
+        The ``loadBalancer`` section is the part whose bounds follow the load
+        balancer's own (``MIN_SECONDS``, ``PROBE_PATH``), so a record written
+        by a kpx that took looser values, or edited by hand, may hold one this
+        kpx refuses. If the section is all that is refused, the spec comes back
+        without it, with the problems naming each refused field; any other
+        problem raises as ``from_dict`` does. References are not checked
+        (``check_lb_service=False``), as for every recorded spec.
+        """
+        try:
+            return cls.from_dict(data, source, check_lb_service=False), ()
+        except LabSpecError as exc:
+            if not all(p.split(":", 1)[0].split(".", 1)[0] == "loadBalancer"
+                       for p in exc.problems):
+                raise
+            refused = tuple(exc.problems)
+        rest = {k: v for k, v in data.items() if k != "loadBalancer"}
+        return cls.from_dict(rest, source, check_lb_service=False), refused
+
     def to_dict(self) -> dict[str, Any]:
         """The lab-file form; ``LabSpec.from_dict(spec.to_dict()) == spec``."""
         d: dict[str, Any] = {

@@ -184,6 +184,28 @@ def test_down_after_a_crash(cli: Cli, tmp_path: Path) -> None:
     assert "nothing to remove" in cli("down").stdout
 
 
+def test_a_record_with_a_refused_lb_value_still_opens_for_status_and_exec(
+        cli: Cli, tmp_path: Path) -> None:
+    """A lab.json whose LB settings this kpx refuses (written before the spec took the LB's
+    own bounds, or edited): status and exec open it and name the field; down removes it."""
+    cli("up", lab_file(tmp_path), "--no-proxies", "--no-lb")
+    path = cli.run_dir / LAB_JSON
+    record = json.loads(path.read_text())
+    record["spec"]["loadBalancer"]["probe"]["interval"] = 0.01
+    path.write_text(json.dumps(record))
+
+    st = cli("status", "--json")
+    assert [n["name"] for n in json.loads(st.stdout)["nodes"]] == ["node1", "node2", "node3"]
+    assert "loadBalancer.probe.interval" in st.stderr
+    text = cli("status").stdout
+    assert "web-1" in text and "loadBalancer.probe.interval" in text
+    run = cli("exec", "node1", "--", "ip", "-o", "-4", "addr")
+    assert "10.77.0.11/24" in run.stdout and "loadBalancer.probe.interval" in run.stderr
+    applied = cli("apply", lab_file(tmp_path), check=False)  # a change would drop the section
+    assert applied.returncode == 2 and "loadBalancer.probe.interval" in applied.stderr
+    assert "removed 7 namespace(s)" in cli("down").stdout
+
+
 def test_up_replaces_an_existing_lab(cli: Cli, tmp_path: Path) -> None:
     cli("up", lab_file(tmp_path, lb=False), "--no-proxies")
     old = cli.recorded_pids()
