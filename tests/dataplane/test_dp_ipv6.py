@@ -52,6 +52,15 @@ def _add6(t: Topology) -> None:
     sh("ip", "-n", t.pod1, "-6", "route", "add", "default", "via", NODE_POD1_6)
     sh("ip", "-n", t.pod2, "-6", "route", "add", "default", "via", NODE_POD2_6)
     sh("ip", "netns", "exec", t.node, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
+    # The veths' link-local addresses came up with duplicate address detection, which
+    # keeps them "tentative" for about a second: neighbour discovery waits on them, so
+    # a first connection in a fresh topology (a test alone, or first on its xdist
+    # worker) was reset by the relay's connect timeout. Wait until none is left.
+    deadline = time.monotonic() + 10.0
+    for ns in (t.node, t.client, t.pod1, t.pod2):
+        while sh("ip", "-n", ns, "-6", "-o", "addr", "show", "tentative").stdout.strip():
+            assert time.monotonic() < deadline, f"{ns}: IPv6 addresses still tentative"
+            time.sleep(0.05)
 
 
 def _backend6(t: Topology, ns: str, name: str) -> None:
