@@ -11,12 +11,18 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
 COPY healthz ./healthz
 COPY lab ./lab
 COPY bench ./bench
-RUN pip install --no-cache-dir . \
+# setup.py compiles the relay core (proxy/userspace/_relaycore.c); the compiler
+# leaves the image with the sources.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install --no-cache-dir . \
+ && apt-get purge -y --auto-remove gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
  && cd / && rm -rf /src
 
 WORKDIR /

@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint down bench bench-quick clean compose-up compose-down
 
-$(STAMP): pyproject.toml
+# setup.py and the C source too: `pip install -e` builds the relay core in place.
+$(STAMP): pyproject.toml setup.py proxy/userspace/_relaycore.c
 	bash .ci/system-deps
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

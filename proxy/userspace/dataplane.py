@@ -73,8 +73,8 @@ from proxy.core.flows import UDP_TIMEOUT, UDP_TIMEOUT_STREAM, FlowTable
 from proxy.core.sync import SyncResult
 from proxy.defaults import TCP_TIMEOUT_CLOSE_WAIT, TCP_TIMEOUT_ESTABLISHED, UDP_FLOW_LIMIT
 from proxy.userspace import synfilter
+from proxy.userspace.corefwd import CoreAcceptSet, CoreForwarder, make_forwarder
 from proxy.userspace.forwarder import (
-    Forwarder,
     PortMetrics,
     PortState,
 )
@@ -297,9 +297,7 @@ class Dataplane:
             # A supervisor installed the namespace's return path for all its
             # workers; this process only needs the socket option.
             transparent_ok = transparent_capable(family) is None
-        self.accept_set = AcceptSet(self.loop)
-        """Every listener's socket, polled as one (listener.py says why)."""
-        self.forwarder = Forwarder(
+        self.forwarder = make_forwarder(
             loop,
             connect_timeout=connect_timeout,
             transparent=transparent_ok,
@@ -310,6 +308,11 @@ class Dataplane:
             family=family,
         )
         self.forwarder.on_room = self._resume_blocked
+        self.accept_set: AcceptSet | CoreAcceptSet = (
+            self.forwarder.accept_set() if isinstance(self.forwarder, CoreForwarder)
+            else AcceptSet(self.loop))
+        """Every listener's socket, polled as one (listener.py says why); the core's
+        when it relays (``proxy.userspace.corefwd``)."""
         self.forwarder.cluster_cidrs = tuple(
             ipaddress.ip_network(c, strict=False) for c in cluster_cidrs or ()
         )

@@ -15,6 +15,11 @@ log a per-connection event except through ``Forwarder.warn``: rate-limited
 per cause and service (``proxy.util.lograte``), so a refusing endpoint under
 load writes two lines per ``LOG_WINDOW``, not three per connection.
 
+Where the compiled relay core is built, ``proxy.userspace.corefwd.CoreForwarder``
+relays instead: the same rules and the same decisions, its mechanics in C
+(``_relaycore.c``). This class is the fallback (``KPX_NO_EXTENSIONS``), and the
+reference the core's black-box tests hold it to.
+
 The rules come first, as data: ``RELAY_RULES`` and ``DIRECTION_RULES``
 right below the imports say, for each phase and event, what a relay does
 and which phase it is in next. The code branches rather than looking them
@@ -1178,6 +1183,24 @@ class Forwarder:
         finally:
             self._idle = None
         return True
+
+    def linked(self) -> int:
+        """Connections relaying: connected upstream, not yet finished."""
+        return sum(1 for relay in self.active if relay.phase == LINKED)
+
+    def connecting(self) -> int:
+        """Connect attempts waiting for their answer or their deadline."""
+        return len(self._deadlines)
+
+    @property
+    def sweeping(self) -> bool:
+        """An idle sweep is scheduled (only while some connection is live)."""
+        return self._sweep_timer is not None
+
+    def max_buffered(self) -> int:
+        """The most bytes any one connection holds for a side that has not taken them
+        (the memory a slow reader costs: one read per direction at most)."""
+        return max((relay.buffered() for relay in self.active), default=0)
 
     def abort_all(self) -> int:
         """RST every live connection; returns how many there were."""

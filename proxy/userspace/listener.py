@@ -102,8 +102,12 @@ class AcceptSet:
         self._ep: select.epoll | None = None
         self._callbacks: dict[int, Callable[[], None]] = {}
 
-    def watch(self, fd: int, callback: Callable[[], None]) -> None:
-        """Call ``callback`` whenever ``fd`` is readable. Raises OSError."""
+    def watch(self, fd: int, callback: Callable[[], None], listener: Listener | None = None
+              ) -> None:
+        """Call ``callback`` whenever ``fd`` is readable. Raises OSError.
+
+        ``listener`` (whose socket ``fd`` is) is for a set that accepts itself
+        (``proxy.userspace.corefwd.CoreAcceptSet``); this one calls back."""
         ep = self._ep
         if ep is None:
             ep = self._ep = select.epoll()
@@ -189,7 +193,7 @@ class Listener:
         self._resume_handle: asyncio.TimerHandle | None = None
         self._errors_in_episode = 0
         self.family = family_of(address)
-        self._refuse_loopback = self.family == socket.AF_INET6 and not steered and (
+        self.refuse_loopback = self.family == socket.AF_INET6 and not steered and (
             address == "::")
         """The IPv6 wildcard: ``::1`` is never served (the module docstring)."""
         self.blocked = False
@@ -325,13 +329,13 @@ class Listener:
         if self._sock is not None and not self._reading:
             try:
                 if self._accept_set is not None:
-                    self._accept_set.watch(self._fd, self._on_readable)
+                    self._accept_set.watch(self._fd, self._on_readable, self)
                 else:
                     self.loop.add_reader(self._fd, self._on_readable)
             except OSError as exc:  # no fd or memory for the epoll set
                 # The socket keeps listening (the kernel queues clients):
                 # back off and try again, like a failed accept.
-                self._accept_failed(exc)
+                self.accept_failed(exc)
                 return
             self._reading = True
 
@@ -355,12 +359,7 @@ class Listener:
             return
         for _ in range(ACCEPT_BATCH):
             if not self._admit():
-                # At the connection limit: leave new clients in the kernel's
-                # accept queue (they wait, they are not refused) until the
-                # dataplane calls resume().
-                self._stop_reading()
-                self.blocked = True
-                self._on_blocked(self)
+                self.block()
                 return
             try:
                 # _accept() and an explicit family/type below: socket.accept()
@@ -371,14 +370,31 @@ class Listener:
             except ConnectionAbortedError:
                 continue
             except OSError as exc:
-                self._accept_failed(exc)
+                self.accept_failed(exc)
                 return
             conn = socket.socket(self.family, socket.SOCK_STREAM, 0, fd)
-            if self._refuse_loopback and addr[0] == IPV6_LOOPBACK and _to_loopback(conn):
+            if self.refuse_loopback and addr[0] == IPV6_LOOPBACK and _to_loopback(conn):
                 _reset(conn)
                 continue
             # An IPv6 name is a 4-tuple: the plans know (VIP, port).
             self._on_accept(conn, addr, conn.getsockname()[:2] if self.steered else self.port)
+        if self._backoff:
+            self.accepting_again()
+
+    def block(self) -> None:
+        """At the connection limit: leave new clients in the kernel's accept queue
+        (they wait, they are not refused) until the dataplane calls ``resume()``."""
+        self._stop_reading()
+        self.blocked = True
+        self._on_blocked(self)
+
+    @property
+    def backing_off(self) -> bool:
+        """Reading again after failed accepts, not yet past one that succeeded."""
+        return bool(self._backoff)
+
+    def accepting_again(self) -> None:
+        """An accept succeeded after a back-off: the episode is over."""
         if self._backoff:
             if self._errors_in_episode > 1:
                 log.info(
@@ -388,7 +404,8 @@ class Listener:
             self._backoff = 0.0
             self._errors_in_episode = 0
 
-    def _accept_failed(self, exc: OSError) -> None:
+    def accept_failed(self, exc: OSError) -> None:
+        """An accept failed with ``exc``: back off (resource errors) or wait, then read again."""
         self._stop_reading()
         self._errors_in_episode += 1
         if exc.errno in RESOURCE_ERRNOS:

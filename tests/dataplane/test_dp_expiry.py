@@ -19,9 +19,11 @@ import pytest
 
 from lab.common import eventually
 from proxy import metrics
-from proxy.userspace.forwarder import LINKED, SWEEP_MAX_INTERVAL, Forwarder
+from proxy.userspace.forwarder import SWEEP_MAX_INTERVAL, Forwarder
 from tests.support.backends import Server
 from tests.support.loops import NODE_IP, free_port, run_on, serving, snap, web
+
+pytestmark = pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 
 KEY = "default/web"
 SLACK = 2.0
@@ -212,10 +214,10 @@ def test_zero_turns_expiry_off(loop_kind: str, backends) -> None:
             s = await asyncio.to_thread(socket.create_connection, (NODE_IP, np_), 5)
             try:
                 s.sendall(b"QUIET\n")
-                await eventually(lambda: dp.active_connections() == 1 and all(
-                    r.phase == LINKED for r in dp.forwarder.active), 5, what="linked")
+                await eventually(lambda: dp.active_connections() == 1
+                                 and dp.forwarder.linked() == 1, 5, what="linked")
                 assert dp.forwarder.sweep_interval == 0
-                assert dp.forwarder._sweep_timer is None
+                assert not dp.forwarder.sweeping
             finally:
                 s.close()
 

@@ -25,6 +25,8 @@ from proxy.userspace.forwarder import Forwarder
 from tests.support.loops import NODE, NODE_IP, free_port, run_on, snap, web
 from tests.support.wiring import sync_config
 
+pytestmark = pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
+
 KEY = "default/web"
 
 
@@ -106,7 +108,7 @@ def test_every_stuck_connect_times_out_and_resets_its_client(
             assert time.monotonic() - t0 < 3.0
             await asyncio.sleep(0.05)
             assert dp.active_connections() == 0
-            assert not dp.forwarder._deadlines
+            assert dp.forwarder.connecting() == 0
         finally:
             dp.close()
 
@@ -136,8 +138,7 @@ def test_counters_are_batched_and_the_active_gauge_is_live(
             for _ in range(3):
                 held.append(await asyncio.to_thread(hold))
             for _ in range(200):
-                relays = list(dp.forwarder.active)
-                if len(relays) == 3 and all(r.phase == forwarder.LINKED for r in relays):
+                if dp.forwarder.linked() == 3:
                     break
                 await asyncio.sleep(0.01)
             # Live at scrape time, whatever the batching.
@@ -220,3 +221,4 @@ def test_an_fd_closed_in_a_batch_gets_none_of_its_stale_events() -> None:
             x.close()
             y.close()
         loop.close()
+

@@ -319,6 +319,7 @@ def _listening(port: int, program: list[synfilter.Instruction] | None) -> socket
     return s
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_dataplane_adopts_inherited_listeners_and_their_queues(backends) -> None:
     be = backends()
     np_, unwanted = free_port(), free_port()
@@ -362,6 +363,7 @@ def test_dataplane_adopts_inherited_listeners_and_their_queues(backends) -> None
     run_on("uvloop", scenario)
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_dataplane_sets_its_own_filter_on_an_inherited_unfiltered_socket(backends) -> None:
     be = backends()
     np_ = free_port()
@@ -382,6 +384,7 @@ def test_dataplane_sets_its_own_filter_on_an_inherited_unfiltered_socket(backend
     run_on("asyncio", scenario)
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_an_inherited_socket_for_another_address_is_closed_and_bound_anew(backends) -> None:
     """A socket whose name is not its key is never served as that key."""
     be = backends()

@@ -152,6 +152,7 @@ def turned_away(ns: str, addr: tuple[str, int]) -> bool:
         return False
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_drop_reject_serve_and_client_ip_over_ipv6(topo: Topology, driver: Driver) -> None:
     drop, reject, serve = 30180, 30181, 30182
     driver.start(
@@ -199,6 +200,7 @@ def return_path6(ns: str) -> dict[str, bool]:
     }
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_cluster_snat_retry_affinity_and_return_path(topo: Topology, driver: Driver) -> None:
     local, remote, retry, sticky = 30190, 30191, 30192, 30193
     driver.start(
@@ -222,6 +224,7 @@ def test_cluster_snat_retry_affinity_and_return_path(topo: Topology, driver: Dri
     assert return_path6(topo.node) == {"nft": False, "rule": False, "route": False}
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_half_close_over_ipv6(topo: Topology, driver: Driver) -> None:
     np_ = 30195
     driver.start(n1(), *svc6("echo", np_, LOCAL))
@@ -234,6 +237,7 @@ def test_half_close_over_ipv6(topo: Topology, driver: Driver) -> None:
     assert got.endswith(b"hello over six")
 
 
+@pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
 def test_dual_stack_service_answers_each_family_with_its_own_endpoints(
     topo: Topology, driver: Driver
 ) -> None:

@@ -35,6 +35,8 @@ from tests.support.objects import endpoint_slice, node, service, state_yaml
 from tests.support.probes import ss_listening
 from tests.support.wiring import sync_config
 
+pytestmark = pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
+
 
 def test_reconcile_open_move_close_leaves_no_listen_socket(loop_kind: str, backends) -> None:
     be = backends()

@@ -27,6 +27,8 @@ from tests.support.loops import NODE, NODE_IP, free_port, run_on, serving, snap,
 from tests.support.objects import service
 from tests.support.wiring import sync_config
 
+pytestmark = pytest.mark.usefixtures("relay_kind")  # both relays: conftest.py
+
 MiB = 1024 * 1024
 
 
@@ -263,7 +265,7 @@ def test_every_endpoint_refused_resets_client(loop_kind: str) -> None:
 
 
 def _max_buffered(dp: Dataplane) -> int:
-    return max((relay.buffered() for relay in dp.forwarder.active), default=0)
+    return dp.forwarder.max_buffered()
 
 
 # A relay holds at most one unsent read per direction; the kernel's socket

@@ -4,7 +4,9 @@ A kernel DNAT passes an RST on whatever the other side is doing, keeps a connect
 that only keepalive probes cross (conntrack counts every packet), and a proxy that runs
 out of fds must not blame a healthy endpoint nor reset the clients still queued. Each
 test drives a real ``Forwarder`` on the running loop over loopback: a stand-in NodePort
-socket accepted by the test and handed to ``on_accept``, one endpoint.
+socket accepted by the test and handed to ``on_accept``, one endpoint; each test runs
+against both relays (``relay_kind``), so they look at a relay only as the dataplane does
+(``active``, ``linked()``, ``max_buffered()``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from proxy import metrics
 from proxy.k8s import parse_state
 from proxy.proxier import Proxier
 from proxy.userspace.dataplane import Dataplane
-from proxy.userspace.forwarder import LINKED, Forwarder, Relay
+from proxy.userspace.forwarder import Forwarder
 from tests.support.backends import start
 from tests.support.loops import NODE, free_port, one_port_forwarder
 from tests.support.netns import REPO
@@ -35,6 +37,8 @@ from tests.support.wiring import sync_config
 NODE_PORT = 30080
 ENDPOINT = "127.0.0.9"
 LINGER_RST = struct.pack("ii", 1, 0)
+
+pytestmark = pytest.mark.usefixtures("relay_kind")
 
 
 class Rig:
@@ -47,21 +51,21 @@ class Rig:
         self.nodeport = socket.create_server(("127.0.0.1", 0))
         self.socks = [self.nodeport]
 
-    async def link(self) -> tuple[socket.socket, socket.socket, Relay]:
-        """A client relayed to the endpoint: (client, endpoint's side, the relay)."""
+    async def link(self) -> tuple[socket.socket, socket.socket]:
+        """A client relayed to the endpoint (the rig's only connection): (client, the
+        endpoint's side)."""
         c = socket.create_connection(self.nodeport.getsockname(), timeout=5)
         c.setblocking(False)
         self.socks.append(c)
         sock, addr = self.nodeport.accept()
         self.fwd.on_accept(sock, addr, NODE_PORT)
-        relay = list(self.fwd.active)[-1]
         async with asyncio.timeout(5):
             s, _ = await self.loop.sock_accept(self.backend)
             s.setblocking(False)
             self.socks.append(s)
-            while relay.phase != LINKED:
+            while self.fwd.linked() != 1:
                 await asyncio.sleep(0.005)
-        return c, s, relay
+        return c, s
 
     def abort(self, s: socket.socket) -> None:
         """Close ``s`` with an RST, as a killed process's socket."""
@@ -69,9 +73,12 @@ class Rig:
         s.close()
         self.socks.remove(s)
 
-    async def gone(self, relay: Relay, timeout: float = 5.0) -> None:
+    def live(self) -> bool:
+        return len(self.fwd.active) == 1
+
+    async def gone(self, timeout: float = 5.0) -> None:
         async with asyncio.timeout(timeout):
-            while relay in self.fwd.active:
+            while self.live():
                 await asyncio.sleep(0.01)
 
 
@@ -102,13 +109,13 @@ async def test_an_rst_after_a_half_close_is_passed_on(who: str) -> None:
     """The side that sent its FIN leaves nothing to read: it stays watched for errors, so
     its RST (its process killed) resets the other side at once, not after close-wait."""
     async with rig(tcp_timeout_established=0, tcp_timeout_close_wait=0) as r:
-        c, s, relay = await r.link()
+        c, s = await r.link()
         first, other = (c, s) if who == "client" else (s, c)
         first.shutdown(socket.SHUT_WR)
         async with asyncio.timeout(5):
             assert await r.loop.sock_recv(other, 100) == b""  # the FIN passed on
         r.abort(first)
-        await r.gone(relay)
+        await r.gone()
         assert reset_seen(other)
 
 
@@ -117,19 +124,19 @@ async def test_an_rst_from_a_paused_client_reaches_a_stuck_endpoint() -> None:
     out of the set for reads); the client aborts: the endpoint is reset at once. Idle
     expiry would never end it: data is still queued for the endpoint."""
     async with rig(tcp_timeout_established=0, tcp_timeout_close_wait=0) as r:
-        c, s, relay = await r.link()
+        c, s = await r.link()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         blob = b"x" * 65536
         for _ in range(400):  # until the client can send no more
             try:
                 c.send(blob)
             except BlockingIOError:
-                if relay.upstream is not None and relay.upstream.out is not None:
+                if r.fwd.max_buffered():
                     break
             await asyncio.sleep(0.01)
-        assert relay.upstream is not None and relay.upstream.out is not None, "not paused"
+        assert r.fwd.max_buffered(), "not paused"
         r.abort(c)
-        await r.gone(relay)
+        await r.gone()
         assert reset_seen(s)
 
 
@@ -137,7 +144,7 @@ async def test_keepalive_probes_keep_an_idle_connection_established() -> None:
     """conntrack refreshes an entry on every packet, keepalive probes included: a
     connection they cross is not idle, though no byte of data moves."""
     async with rig(tcp_timeout_established=3.0, tcp_timeout_close_wait=0) as r:
-        c, s, relay = await r.link()
+        c, s = await r.link()
         c.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
@@ -147,9 +154,9 @@ async def test_keepalive_probes_keep_an_idle_connection_established() -> None:
         # Past the timeout and two sweep intervals (0.75 s each) after the last byte, by
         # a margin: it was reset after at most 4.5 s. A probe each second meanwhile.
         await asyncio.sleep(5.5)
-        assert relay in r.fwd.active
+        assert r.live()
         c.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 0)  # truly idle from now
-        await r.gone(relay)
+        await r.gone()
 
 
 async def test_a_live_connections_bytes_are_counted_as_it_goes() -> None:
@@ -162,7 +169,7 @@ async def test_a_live_connections_bytes_are_counted_as_it_goes() -> None:
 
     before = counted()
     async with rig(tcp_timeout_established=1.0, tcp_timeout_close_wait=0) as r:
-        c, s, relay = await r.link()
+        c, s = await r.link()
         payload = b"x" * (1 << 20)
         async with asyncio.timeout(10):
             send = r.loop.create_task(r.loop.sock_sendall(c, payload))
@@ -175,7 +182,7 @@ async def test_a_live_connections_bytes_are_counted_as_it_goes() -> None:
                 await r.loop.sock_sendall(c, b"k")  # busy, never idle
                 await r.loop.sock_recv(s, 10)
                 await asyncio.sleep(0.1)
-        assert relay in r.fwd.active
+        assert r.live()
 
 
 async def test_the_active_gauge_of_a_dual_stack_service_counts_both_families() -> None:

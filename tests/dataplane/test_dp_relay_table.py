@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from proxy.userspace import forwarder
+from proxy.userspace.corefwd import NO_EXTENSIONS_ENV
 from proxy.userspace.forwarder import (
     CONNECTING,
     DIRECTION_RULES,
@@ -56,6 +57,13 @@ LINGER_RST = struct.pack("ii", 1, 0)
 
 # -- observing the relay in the tables' terms ----------------------------------------
 
+
+
+@pytest.fixture(autouse=True)
+def python_relay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows name the pure-Python relay's methods: it runs here, whatever is built
+    (the compiled core is held to the same rules by the black-box tests, ``relay_kind``)."""
+    monkeypatch.setenv(NO_EXTENSIONS_ENV, "1")
 
 def relay_phase(fwd: Forwarder, relay: Relay) -> str:
     """``relay``'s phase as ``RELAY_PHASES`` defines it; "?" if its fields fit none."""

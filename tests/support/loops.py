@@ -25,6 +25,7 @@ from proxy.core.decision import build_plans
 from proxy.core.model import Snapshot
 from proxy.k8s import parse_state
 from proxy.proxier import Proxier
+from proxy.userspace.corefwd import make_forwarder
 from proxy.userspace.dataplane import Dataplane
 from proxy.userspace.forwarder import Forwarder, PortMetrics, PortState
 from tests.support.netns import free_port as free_port
@@ -66,11 +67,12 @@ def snap(*objs: dict[str, Any], generation: int = 1) -> Snapshot:
 
 def one_port_forwarder(node_port: int, port: int, *ips: str, **kwargs: Any) -> Forwarder:
     """A Forwarder on the running loop whose one NodePort forwards to ``ips`` at ``port``
-    (no listener: a test accepts and hands sockets to ``on_accept``)."""
+    (no listener: a test accepts and hands sockets to ``on_accept``); the relay this
+    process runs (``make_forwarder``: see the ``relay_kind`` fixture)."""
     state = snap(node(NODE, NODE_IP), service("web", node_port, port),
                  endpoint_slice("web", *((ip, NODE) for ip in ips), port=port))
     plan = build_plans(state, NODE)[node_port]
-    fwd = Forwarder(asyncio.get_running_loop(), **kwargs)
+    fwd = make_forwarder(asyncio.get_running_loop(), **kwargs)
     fwd.ports = {node_port: PortState(plan, Balancer(), PortMetrics(plan.key))}
     return fwd
 
