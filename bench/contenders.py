@@ -739,6 +739,24 @@ class KpxWorkers(Kpx):
         return super().serves(workload)
 
 
+class KpxPython(Kpx):
+    """``kpx node`` on its pure-Python relay (``KPX_NO_EXTENSIONS=1``): what the compiled
+    relay core gains, in the same run. Asked for by name."""
+
+    name = "kpx-py"
+    description = "kpx node on the pure-Python relay (KPX_NO_EXTENSIONS=1)"
+    port_base = 31000
+
+    @classmethod
+    def serves(cls, workload: str) -> str | None:
+        if workload == "control":
+            return "the control workloads run on kpx (the relay does not change them)"
+        return super().serves(workload)
+
+    def argv(self) -> list[str]:
+        return ["env", "KPX_NO_EXTENSIONS=1", *super().argv()]
+
+
 class KpxNfqueue(Kpx):
     """``kpx node --proxy-mode nfqueue``: Python decides each SYN, conntrack DNAT the rest."""
 
@@ -941,17 +959,18 @@ class RelayFloor(ProcessContender):
         self.wait_listening(self.proc, {t.http_port, t.bulk_port}, 10.0)
 
 
-CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-w2", "kpx-nfq",
-                   "nfq-floor", "nfq-pyfloor", "relay-floor")
+CONTENDER_ORDER = ("direct", "kernel", "haproxy", "naive", "socat", "kpx", "kpx-py", "kpx-w2",
+                   "kpx-nfq", "nfq-floor", "nfq-pyfloor", "relay-floor")
 """Every contender, in run and report order."""
 UDP_ONLY = ("socat",)
 """Contenders that take part only in the udp workload: in the default list only
 when udp runs, so the default TCP run is the same as before they existed."""
-BY_NAME_ONLY = ("nfq-floor", "nfq-pyfloor", "relay-floor")
+BY_NAME_ONLY = ("kpx-py", "nfq-floor", "nfq-pyfloor", "relay-floor")
 """Diagnostic contenders, run only when ``--contenders`` names them."""
 CLASSES: dict[str, type[Contender]] = {
     "direct": Direct, "kernel": Kernel, "haproxy": HAProxy, "naive": Naive, "socat": Socat,
-    "kpx": Kpx, "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue, "nfq-floor": NfqFloor,
+    "kpx": Kpx, "kpx-py": KpxPython,
+    "kpx-w2": KpxWorkers, "kpx-nfq": KpxNfqueue, "nfq-floor": NfqFloor,
     "nfq-pyfloor": NfqPyFloor, "relay-floor": RelayFloor,
 }
 
@@ -987,6 +1006,7 @@ def make_contenders(names: list[str], topo: Topology, log_dir: Path,
         "naive": Naive(topo, log_dir),
         "socat": Socat(topo, log_dir),
         "kpx": Kpx(topo, log_dir, kpx, etp, udp_service=udp),
+        "kpx-py": KpxPython(topo, log_dir, kpx, etp, udp_service=udp),
         "kpx-w2": KpxWorkers(topo, log_dir, kpx, etp, udp_service=udp),
         "kpx-nfq": KpxNfqueue(topo, log_dir, kpx, etp, udp_service=udp),
         "nfq-floor": NfqFloor(topo, log_dir, kpx, etp, udp_service=udp),

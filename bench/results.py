@@ -347,12 +347,14 @@ FLOOR_PAIRS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
                                 "cps_kernel_us")),
     ("kpx", "relay-floor", ("req_per_s", "conn_per_s", "rr_cpu_us", "cps_cpu_us",
                             "cps_kernel_us")),
+    ("kpx", "kpx-py", ("gbps", "req_per_s", "conn_per_s", "rr_cpu_us", "cps_cpu_us")),
 )
 """The NFQUEUE floor against kernel DNAT (what the queue costs), the Python floor against
 it (what a Python reader costs), and kpx-nfq against each (what kpx's Python, and what
 kpx's reader beyond the least a Python one does, costs); the relay floor against HAProxy
 (what terminating both connections costs here, beyond HAProxy's own generality) and the
-relay against it (what kpx's Python costs the relay). Printed only where both sides ran,
+relay against it (what kpx's Python costs the relay); kpx against its pure-Python relay
+(what the compiled relay core gains). Printed only where both sides ran,
 since the floors run only when asked for by name."""
 
 

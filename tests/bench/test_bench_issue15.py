@@ -178,12 +178,12 @@ def test_the_runner_plans_connect_for_every_tcp_contender() -> None:
                  settings=Settings(connect_count=500, pause=1.0))
     bench = Bench.__new__(Bench)  # planning reads only the config
     bench.cfg = cfg
-    runs = 2 * 2 * 10  # paths x rounds x contenders that serve TCP (not socat)
+    runs = 2 * 2 * 11  # paths x rounds x contenders that serve TCP (not socat)
     assert bench._planned_steps() == runs
     # The NFQUEUE floors serve IPv4 NodePorts only: not on the clusterip path.
     bench.cfg = Config(workloads=["connect"], paths=["clusterip"], runs=2,
                        contenders=list(CONTENDER_ORDER), settings=cfg.settings)
-    assert bench._planned_steps() == 2 * 8
+    assert bench._planned_steps() == 2 * 9
     bench.cfg = cfg
     starts = 2 * 2 * len(CONTENDER_ORDER) * 1.0
     per_run = (bench.estimate_seconds() - 10.0 - starts) / runs
