@@ -567,6 +567,24 @@ static void call_owner(Core *core, PyObject *name, PyObject *arg, int err) {
 
 static void starved(Core *core, PyObject *m, int err) { call_owner(core, s_core_starved, m, err); }
 
+/* Connect c as an answer says, and deal with the outcome: in flight; failed at once
+ * (queued for core_failed); no socket for it (starved); or an answer that is not one (a
+ * bug, named by ``what``). Under the GIL. */
+static void connect_as(Core *core, struct conn *c, PyObject *ip, int port, PyObject *bindto,
+                       const char *what) {
+    int resource;
+    int err = start_connect(core, c, ip, port, bindto, &resource);
+    if (err < 0) {
+        report_error(core->owner, what);
+        end(core, c, WHY_ABORTED, 0);
+    } else if (resource) {
+        end(core, c, WHY_ABORTED, 0);
+        starved(core, c->metrics, err);
+    } else if (err) {
+        connect_failed(core, c, err);
+    }
+}
+
 /* Take over an accepted client for ``answer`` (a tuple; see the module comment), or reset
  * it (None). Under the GIL. */
 static void take(Core *core, int cfd, const struct sockaddr_storage *peer, PyObject *answer) {
@@ -591,17 +609,7 @@ static void take(Core *core, int cfd, const struct sockaddr_storage *peer, PyObj
     Py_INCREF(m);
     c->key = key;
     c->metrics = m;
-    int resource;
-    int err = start_connect(core, c, ip, port, bind, &resource);
-    if (err < 0) {
-        report_error(core->owner, "core_decide's answer");
-        end(core, c, WHY_ABORTED, 0);
-    } else if (resource) {
-        end(core, c, WHY_ABORTED, 0);
-        starved(core, m, err);
-    } else if (err) {
-        connect_failed(core, c, err);
-    }
+    connect_as(core, c, ip, port, bind, "core_decide's answer");
 }
 
 /* A connect failed (or timed out): queue it for owner.core_failed at the end of the poll
@@ -668,22 +676,13 @@ static void flush_failed(Core *core) {
                     continue;
                 }
                 PyObject *ip, *bind, *key, *m;
-                int port, resource;
+                int port;
                 if (!PyArg_ParseTuple(answer, "OiOOO", &ip, &port, &bind, &key, &m)) {
                     report_error(core->owner, "core_failed's answer");
                     end(core, c, WHY_ABORTED, 0);
                     continue;
                 }
-                int err = start_connect(core, c, ip, port, bind, &resource);
-                if (err < 0) {
-                    report_error(core->owner, "core_failed's answer");
-                    end(core, c, WHY_ABORTED, 0);
-                } else if (resource) {
-                    end(core, c, WHY_ABORTED, 0);
-                    starved(core, c->metrics, err);
-                } else if (err) {
-                    connect_failed(core, c, err);
-                }
+                connect_as(core, c, ip, port, bind, "core_failed's answer");
             }
         }
         Py_XDECREF(answers);
