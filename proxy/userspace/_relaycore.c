@@ -114,7 +114,7 @@ struct lslot {
 };
 
 struct pending {
-    int slot, cfd, steered;
+    int cfd, steered;
     PyObject *listener; /* owned: its slot may be emptied before the batch is decided */
     struct sockaddr_storage peer, local;
 };
@@ -137,8 +137,8 @@ typedef struct {
     struct pending pend[MAX_PENDING];
     int npend;
     PyObject *finished; /* a list while a poll collects them, else NULL */
-    PyObject *failed;   /* entries: a tuple each, with a capsule-less index into fq */
-    struct conn **fq;   /* the connections behind ``failed``'s entries, in order */
+    PyObject *failed;   /* core_failed's next batch: a tuple per failed connect */
+    struct conn **fq;   /* the connection behind each of those tuples, in order */
     int nfq, cap_fq;
     char *buf;
 } Core;
@@ -739,7 +739,6 @@ static void on_listener(Core *core, int slot) {
                 continue;
             }
         }
-        p->slot = slot;
         p->cfd = cfd;
         p->steered = flags & LIS_STEERED;
         p->listener = core->slots[slot].listener;
