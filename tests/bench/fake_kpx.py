@@ -12,8 +12,9 @@ It is a test double, not a contender: slow and simple on purpose.
 from outside: no listener, but kpx's nft table ``ip kpx_nfq`` with the set
 ``ports`` (the NodePorts) and ``vips`` (the clusterIPs) that ``bench.control``
 reads, here with plain nft DNAT maps to the first ready endpoint instead of a
-queue (the table is rewritten whole, in one transaction, on every change,
-and deleted at SIGTERM).
+queue. The table is written whole once; each change after that replaces the
+sets' and maps' elements in one transaction, as kpx and kube-proxy do
+(``nfq_update_script``). It is deleted at SIGTERM.
 """
 
 from __future__ import annotations
@@ -33,23 +34,43 @@ from proxy.k8s import StateError, parse_state
 NFQ_TABLE = "kpx_nfq"
 
 
-def nfq_script(routes: dict[int, tuple[str, int]],
-               vips: dict[tuple[str, int], tuple[str, int]]) -> str:
+Routes = dict[int, tuple[str, int]]
+VIPs = dict[tuple[str, int], tuple[str, int]]
+
+
+def _contents(routes: Routes, vips: VIPs) -> dict[str, list[str]]:
+    """Each set's and map's elements."""
+    return {"ports": [str(p) for p in sorted(routes)],
+            "vips": sorted({a for a, _ in vips}),
+            "np": [f"{p} : {a} . {ap}" for p, (a, ap) in sorted(routes.items())],
+            "vip": [f"{v} . {vp} : {a} . {ap}" for (v, vp), (a, ap) in sorted(vips.items())]}
+
+
+def nfq_update_script(routes: Routes, vips: VIPs) -> str:
+    """The change after the first write: every set and map emptied and filled again, in one
+    transaction. Replacing the table instead is not atomic for a new connection: now and
+    then a SYN meets the new rule before its set holds anything, and is refused."""
+    out = []
+    for name, items in _contents(routes, vips).items():
+        out.append(f"flush {'map' if name in ('np', 'vip') else 'set'} ip {NFQ_TABLE} {name}\n")
+        if items:
+            out.append(f"add element ip {NFQ_TABLE} {name} {{ {', '.join(items)} }}\n")
+    return "".join(out)
+
+
+def nfq_script(routes: Routes, vips: VIPs) -> str:
     """kpx_nfq's table, whole: the sets the bench reads and DNAT maps that act on them."""
 
     def elems(items: list[str]) -> str:
         return f" elements = {{ {', '.join(items)} }};" if items else ""
 
-    ports = elems([str(p) for p in sorted(routes)])
-    addrs = elems(sorted({a for a, _ in vips}))
-    np_map = elems([f"{p} : {a} . {ap}" for p, (a, ap) in sorted(routes.items())])
-    vip_map = elems([f"{v} . {vp} : {a} . {ap}" for (v, vp), (a, ap) in sorted(vips.items())])
+    c = {name: elems(items) for name, items in _contents(routes, vips).items()}
     return (f"table ip {NFQ_TABLE}\ndelete table ip {NFQ_TABLE}\n"
             f"table ip {NFQ_TABLE} {{\n"
-            f"  set ports {{ type inet_service;{ports} }}\n"
-            f"  set vips {{ type ipv4_addr;{addrs} }}\n"
-            f"  map np {{ type inet_service : ipv4_addr . inet_service;{np_map} }}\n"
-            f"  map vip {{ type ipv4_addr . inet_service : ipv4_addr . inet_service;{vip_map} }}\n"
+            f"  set ports {{ type inet_service;{c['ports']} }}\n"
+            f"  set vips {{ type ipv4_addr;{c['vips']} }}\n"
+            f"  map np {{ type inet_service : ipv4_addr . inet_service;{c['np']} }}\n"
+            f"  map vip {{ type ipv4_addr . inet_service : ipv4_addr . inet_service;{c['vip']} }}\n"
             "  chain pre {\n"
             "    type nat hook prerouting priority dstnat; policy accept;\n"
             "    tcp dport @ports fib daddr type local dnat ip to tcp dport map @np\n"
@@ -70,6 +91,8 @@ class Fake:
         self.routes: dict[int, tuple[str, int]] = {}
         self.servers: dict[int, asyncio.AbstractServer] = {}
         self.key: tuple[int, int, int] | None = None
+        self.written = False
+        """nfqueue: the table is there, written by this process (a change need not replace it)."""
 
     async def handle(self, port: int, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         up = self.routes.get(port)
@@ -93,8 +116,8 @@ class Fake:
                 return
         node = snap.node(self.node)
         ip = node.internal_ips[0] if node and node.internal_ips else "0.0.0.0"
-        routes: dict[int, tuple[str, int]] = {}
-        vips: dict[tuple[str, int], tuple[str, int]] = {}
+        routes: Routes = {}
+        vips: VIPs = {}
         for svc in snap.services:
             for p in svc.ports:
                 if not p.node_port and not svc.cluster_ip:
@@ -111,12 +134,15 @@ class Fake:
         if self.mode == "nfqueue":
             # Not check=True: a SIGTERM to the process group may kill nft mid-write;
             # the fake must still get to its cleanup.
-            cp = subprocess.run(["nft", "-f", "-"], input=nfq_script(routes, vips), text=True,
+            script = nfq_update_script(routes, vips) if self.written else nfq_script(routes, vips)
+            cp = subprocess.run(["nft", "-f", "-"], input=script, text=True,
                                 capture_output=True, check=False)
             if cp.returncode != 0:
                 print(f"nft -f: {cp.stderr.strip()}", file=sys.stderr, flush=True)
-                self.key = None  # try again on the next poll
+                self.key = None  # try again on the next poll, whole
+                self.written = False
                 return
+            self.written = True
             print(f"fake kpx (nfqueue) synced {len(routes)} NodePorts, {len(vips)} VIP ports "
                   f"in {(time.perf_counter() - t0) * 1000:.1f} ms", file=sys.stderr, flush=True)
             return
