@@ -85,6 +85,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from proxy.util.nfttable import NftTable
+from proxy.util.nfttable import elements as _elements
+
 log = logging.getLogger(__name__)
 
 NFT_TABLE = "kpx_nfq"
@@ -295,11 +298,6 @@ def _ipv4(a: str) -> str:
     return _address(a, 4)
 
 
-def _elements(items: Iterable[str]) -> str:
-    body = ", ".join(items)
-    return f" elements = {{ {body} }};" if body else ""
-
-
 def queue_statement(cfg: QueueConfig) -> str:
     """nft's own ``queue`` statement for ``cfg`` (the nft path)."""
     return f"queue num {cfg.queue}{' bypass' if cfg.bypass else ''}"
@@ -508,21 +506,8 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
          f"    meta mark & {masq:#x} == {masq:#x} masquerade\n"),
     ]
 
-    def table(filled: bool) -> str:
-        out = [f"table {fam} {cfg.table} {{\n"]
-        for kind, name, head, body in objects:
-            body = body if filled else ""
-            if kind == "chain":
-                out.append(f"  chain {name} {{\n    {head}\n{body}  }}\n")
-            else:
-                out.append(f"  {kind} {name} {{ {head}{body} }}\n")
-        out.append("}\n")
-        return "".join(out)
-
-    if not in_place:
-        return remove_script(cfg.table, family) + table(True)
-    flush = "".join(f"flush {kind} {fam} {cfg.table} {name}\n" for kind, name, _, _ in objects)
-    return table(False) + flush + table(True)
+    table = NftTable.render(fam, cfg.table, objects)
+    return table.in_place() if in_place else table.anew()
 
 
 def write_table(cfg: QueueConfig, served: Served, mechanism: Mechanism, family: int = 4) -> None:

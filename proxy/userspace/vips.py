@@ -51,9 +51,10 @@ Which ``VIP:port`` reaches kpx, and how:
   (``proxy.userspace.sklookup``, which says why not TPROXY, conntrack DNAT
   or a listener per ``VIP:port``); the accepted socket's own address is the
   VIP and port, so ``getsockname()`` names the service;
-- the nft table ``ip kpx_vips`` (``nft_script``, one atomic transaction per
-  change) holds a filter chain in prerouting that looks at SYNs to a VIP
-  only: a ClusterIP with internalTrafficPolicy Local and no local endpoint
+- the nft table ``ip kpx_vips`` (``nft_table``: written anew once, then
+  changed in place, one transaction per change, so its hook stays) holds
+  a filter chain in prerouting that looks at SYNs to a VIP only: a
+  ClusterIP with internalTrafficPolicy Local and no local endpoint
   (``drop_all``), and an external VIP with eTP Local and none
   (``drop_external``: SYNs from the cluster CIDRs and from the node's own
   addresses still pass, they get Cluster semantics) are dropped, no SYN-ACK,
@@ -144,6 +145,7 @@ from proxy.lifecycle.ownership import (
     routing_lock_async,
 )
 from proxy.userspace.transparent import Steps, _drive, _drive_async
+from proxy.util.nfttable import NftTable, Object, elements
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +311,7 @@ class VIPTarget:
 
     vips: frozenset[str]
     rules: Interception | None
-    script: str | None
+    nft: NftTable | None
     diff: RouteDiff | None = None
 
     @classmethod
@@ -320,7 +322,7 @@ class VIPTarget:
         table and, given the table as it is ``known``, the route changes; pure, any thread."""
         vips = frozenset(vip(a, family) for a in wanted)
         return cls(vips, rules,
-                   None if rules is None else nft_script(vips, rules, table, family),
+                   None if rules is None else nft_table(vips, rules, table, family),
                    None if known is None else RouteDiff.between(known, vips, proto))
 
     def same(self, other: VIPTarget | None) -> bool:
@@ -360,18 +362,12 @@ class RouteDiff(NamedTuple):
                    batch_script((), delete, proto))
 
 
-def _elements(items: Iterable[str]) -> str:
-    body = ", ".join(items)
-    return f" elements = {{ {body} }};" if body else ""
-
-
-def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
-               family: int = 4) -> str:
-    """The nft transaction that makes the table exactly ``rules``, atomically.
-
-    Declaring then deleting the table first makes a leftover (a crashed kpx,
-    an older set) vanish in the same transaction that writes the new one, so
-    there is no moment without rules. The guard looks at SYNs only
+def nft_table(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
+              family: int = 4) -> NftTable:
+    """The nft table that holds exactly ``rules``, rendered once (``NftTable``): written
+    anew the first time, so that a leftover (a crashed kpx, an older set) vanishes in
+    the same transaction, and in place over the last one after that, so that no SYN
+    slips between two tables and the guard's hook stays. The guard looks at SYNs only
     (``tcp flags & (syn | ack) == syn``): the rest of a connection, and a
     node process's own packets *from* a VIP (its replies), pass untouched.
     UDP has no first packet to tell apart, so ``udp_guard`` judges every
@@ -399,50 +395,27 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
     unreachable = "icmpv6 type port-unreachable" if family == 6 else "icmp type port-unreachable"
 
     def pairs(s: frozenset[VIPPort]) -> str:
-        return _elements(f"{a} . {p}" for a, p in ordered(s))
+        return elements(f"{a} . {p}" for a, p in ordered(s))
 
-    cidrs = _elements(rules.passed)
-    fw_chains = "".join(
-        f"  chain fw_{i} {{\n"
-        f"    {ip} saddr != {{ {', '.join(fw.sources)} }} counter drop"
-        + (f' comment "{fw.service}"' if _COMMENT_SAFE.fullmatch(fw.service) else "")
-        + "\n  }\n"
-        for i, fw in enumerate(rules.firewalls))
-    fw_elements = _elements(f"{a} . {proto} . {port} : jump fw_{i}"
-                            for i, fw in enumerate(rules.firewalls)
-                            for a, proto, port in ordered(fw.ports))
-    loopback = ""
+    def fw_rule(fw: Firewall) -> str:
+        comment = f' comment "{fw.service}"' if _COMMENT_SAFE.fullmatch(fw.service) else ""
+        return f"    {ip} saddr != {{ {', '.join(fw.sources)} }} counter drop{comment}\n"
+
+    fw_elements = elements(f"{a} . {proto} . {port} : jump fw_{i}"
+                           for i, fw in enumerate(rules.firewalls)
+                           for a, proto, port in ordered(fw.ports))
+    loopback: list[Object] = []
     if family == 6:
-        loopback = (
-            f"  set loopback {{ type inet_service;"
-            f"{_elements(map(str, sorted(rules.loopback)))} }}\n"
-            f"  set udp_loopback {{ type inet_service;"
-            f"{_elements(map(str, sorted(rules.udp_loopback)))} }}\n"
-            f"  chain loopback_guard {{\n"
-            f"    tcp dport @loopback tcp flags & (syn | ack) == syn reject with tcp reset\n"
-            f"    udp dport @udp_loopback reject with {unreachable}\n"
-            f"  }}\n"
-        )
-    return (
-        f"table {ip} {table}\n"
-        f"delete table {ip} {table}\n"
-        f"table {ip} {table} {{\n"
-        f"{loopback}"
-        f"{fw_chains}"
-        f"  map firewall {{ type {addr} . inet_proto . inet_service : verdict;{fw_elements} }}\n"
-        f"  set vips {{ type {addr};{_elements(ordered(vips))} }}\n"
-        f"  set served {{ type {addr} . inet_service;{pairs(rules.served)} }}\n"
-        f"  set drop_all {{ type {addr} . inet_service;{pairs(rules.drop_all)} }}\n"
-        f"  set drop_external {{ type {addr} . inet_service;{pairs(rules.drop_external)} }}\n"
-        f"  set passed {{ type {addr}; flags interval;{cidrs} }}\n"
-        # VIPs that are local through someone else's route (a node address used as
-        # an externalIP or LB IP): their undeclared ports are the node's, not refused.
-        f"  set foreign {{ type {addr}; }}\n"
-        f"  set udp_served {{ type {addr} . inet_service;{pairs(rules.udp_served)} }}\n"
-        f"  set udp_drop_all {{ type {addr} . inet_service;{pairs(rules.udp_drop_all)} }}\n"
-        f"  set udp_drop_external {{ type {addr} . inet_service;"
-        f"{pairs(rules.udp_drop_external)} }}\n"
-        f"  chain udp_guard {{\n"
+        loopback = [
+            ("set", "loopback", "type inet_service;",
+             elements(map(str, sorted(rules.loopback)))),
+            ("set", "udp_loopback", "type inet_service;",
+             elements(map(str, sorted(rules.udp_loopback)))),
+            ("chain", "loopback_guard", "",
+             f"    tcp dport @loopback tcp flags & (syn | ack) == syn reject with tcp reset\n"
+             f"    udp dport @udp_loopback reject with {unreachable}\n"),
+        ]
+    udp_guard = (
         f"    {ip} daddr . meta l4proto . udp dport vmap @firewall\n"
         f"    {ip} daddr . udp dport @udp_drop_all counter drop\n"
         f"    {ip} daddr . udp dport @udp_drop_external {ip} saddr != @passed"
@@ -453,10 +426,9 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"    meta iif lo {ip} saddr . udp sport @udp_served return\n"
         f"    {ip} daddr @foreign return\n"
         f"    counter reject with {unreachable}\n"
-        f"  }}\n"
-        f"  chain guard {{\n"
-        f"    type filter hook prerouting priority mangle; policy accept;\n"
-        + ("    ip6 daddr ::1 jump loopback_guard\n" if family == 6 else "")
+    )
+    guard = (
+        ("    ip6 daddr ::1 jump loopback_guard\n" if family == 6 else "")
         + f"    {ip} daddr != @vips return\n"
         f"    meta l4proto udp jump udp_guard\n"
         f"    tcp flags & (syn | ack) != syn return\n"
@@ -467,23 +439,52 @@ def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
         f"    {ip} daddr . tcp dport @served return\n"
         f"    {ip} daddr @foreign return\n"
         f"    meta l4proto tcp counter reject with tcp reset\n"
-        f"  }}\n"
-        f"}}\n"
     )
+    pair = f"type {addr} . inet_service;"
+    return NftTable.render(ip, table, [
+        *loopback,
+        *(("chain", f"fw_{i}", "", fw_rule(fw)) for i, fw in enumerate(rules.firewalls)),
+        ("map", "firewall", f"type {addr} . inet_proto . inet_service : verdict;", fw_elements),
+        ("set", "vips", f"type {addr};", elements(ordered(vips))),
+        ("set", "served", pair, pairs(rules.served)),
+        ("set", "drop_all", pair, pairs(rules.drop_all)),
+        ("set", "drop_external", pair, pairs(rules.drop_external)),
+        ("set", "passed", f"type {addr}; flags interval;", elements(rules.passed)),
+        # VIPs that are local through someone else's route (a node address used as
+        # an externalIP or LB IP): their undeclared ports are the node's, not refused.
+        ("set", "foreign", f"type {addr};", ""),
+        ("set", "udp_served", pair, pairs(rules.udp_served)),
+        ("set", "udp_drop_all", pair, pairs(rules.udp_drop_all)),
+        ("set", "udp_drop_external", pair, pairs(rules.udp_drop_external)),
+        ("chain", "udp_guard", "", udp_guard),
+        ("chain", "guard", "type filter hook prerouting priority mangle; policy accept;", guard),
+    ])
 
 
-def _with_foreign(script: str, foreign: Iterable[str]) -> str:
-    """``script`` plus, in the same transaction, the wanted VIPs local through a route
-    kpx does not own (a node address): the guard leaves their other ports alone."""
+def nft_script(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
+               family: int = 4) -> str:
+    """``nft_table``'s transaction anew: the text a first write sends."""
+    return nft_table(vips, rules, table, family).anew()
+
+
+def _write_steps(nft: NftTable, foreign: Iterable[str],
+                 before: frozenset[tuple[str, str]] | None) -> Steps[None]:
+    """Write the table ``nft``, with the wanted VIPs local through a route kpx does not own
+    (a node address: the guard leaves their other ports alone) in its ``foreign`` set.
+
+    ``before``: the objects of the table this process last wrote, changed in
+    place (``NftTable.in_place``); None, or a table nft will not change so
+    (someone else's hand, a kpx of another layout), writes it anew.
+    """
     foreign = ordered(foreign)
-    if not foreign:
-        return script
-    return script + f"add element {_table_of(script)} foreign {{ {', '.join(foreign)} }}\n"
-
-
-def _table_of(script: str) -> str:
-    """The table an ``nft_script`` writes, as nft names it: ``ip kpx_vips``."""
-    return script.split("\n", 1)[0].removeprefix("table ")
+    extra = f"add element {nft.ref} foreign {{ {', '.join(foreign)} }}\n" if foreign else ""
+    if before is not None:
+        res = yield ["nft", "-f", "-"], nft.in_place(before) + extra
+        if res.returncode == 0:
+            return
+        log.warning("service VIP rules: table %s is not as kpx left it (%s); writing it anew",
+                    nft.ref, (res.stderr.strip() or str(res.returncode)).splitlines()[0][:200])
+    yield from _rules_steps(nft.anew() + extra)
 
 
 def _foreign_steps(table: str, foreign: Iterable[str], before: Iterable[str]) -> Steps[None]:
@@ -656,15 +657,17 @@ def _batch_text_steps(text: str) -> Steps[str]:
 
 
 def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
-                  script: str | None = None, known: LocalTable | None = None,
-                  diff: RouteDiff | None = None, family: int = 4
+                  nft: NftTable | None = None, known: LocalTable | None = None,
+                  diff: RouteDiff | None = None, family: int = 4,
+                  written: frozenset[tuple[str, str]] | None = None
                   ) -> Steps[tuple[VIPChanges, LocalTable]]:
     """Make every wanted VIP local; with ``delete_unwanted``, delete kpx's other routes.
 
-    ``script`` (``nft_script``), if given, is written between the adds and
+    ``nft`` (``nft_table``), if given, is written between the adds and
     the deletes: a VIP is local before any rule steers to it, and loses its
     rules before it stops being local (a steered SYN to a VIP that is not
-    local would be forwarded, not refused).
+    local would be forwarded, not refused). ``written``: the objects of the
+    table this process last wrote, which it then changes in place.
 
     ``known``: the table as this process last left it. With it nothing is
     listed unless a batch line fails (someone else's route is there, or one
@@ -685,10 +688,10 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
             diff = diff._replace(delete=(), delete_script="")
     add, delete = list(diff.add), list(diff.delete)
     errors: list[str] = []
-    if script is not None:
+    if nft is not None:
         if add:
             errors.append((yield from _batch_text_steps(diff.add_script)))
-        yield from _rules_steps(_with_foreign(script, wanted & table.others))
+        yield from _write_steps(nft, wanted & table.others, written)
         if delete:
             errors.append((yield from _batch_text_steps(diff.delete_script)))
     elif add or delete:
@@ -711,19 +714,18 @@ def _change_steps(wanted: frozenset[str], proto: int, delete_unwanted: bool,
                 f"{errors[0][:500]}")
         # A line that failed because someone else's route appeared meanwhile is fine.
         add = sorted(after.ours.intersection(add))
-        if script is not None and wanted & after.others != wanted & table.others:
-            yield from _foreign_steps(_table_of(script), wanted & after.others,
-                                      wanted & table.others)
+        if nft is not None and wanted & after.others != wanted & table.others:
+            yield from _foreign_steps(nft.ref, wanted & after.others, wanted & table.others)
         table = after
     else:
         table = LocalTable(table.ours.union(add).difference(delete), table.others)
     changes = VIPChanges(added=tuple(add), removed=tuple(delete),
                          foreign=tuple(sorted(wanted & table.others)),
-                         rules=script is not None)
+                         rules=nft is not None)
     return changes, table
 
 
-def _ensure_steps(wanted: frozenset[str], proto: int, script: str | None,
+def _ensure_steps(wanted: frozenset[str], proto: int, nft: NftTable | None,
                   table_name: str = NFT_TABLE, known: LocalTable | None = None,
                   family: int = 4) -> Steps[tuple[VIPChanges, LocalTable]]:
     """Put back missing routes, and the nft table if it is gone; never deletes.
@@ -742,10 +744,10 @@ def _ensure_steps(wanted: frozenset[str], proto: int, script: str | None,
     else:
         changes, table = yield from _change_steps(wanted, proto, delete_unwanted=False,
                                                   known=table, family=family)
-    if script is not None:
+    if nft is not None:
         foreign = wanted & table.others
         if not (yield from _rules_present_steps(table_name, family)):
-            yield from _rules_steps(_with_foreign(script, foreign))
+            yield from _write_steps(nft, foreign, None)
             changes = VIPChanges(changes.added, changes.removed, changes.foreign, rules=True)
         elif known is None or foreign != wanted & known.others:
             yield from _foreign_steps(f"{_ip(family)} {table_name}", foreign,
@@ -796,8 +798,11 @@ class LocalVIPs:
         """The last set handed to ``sync``, canonical; what ``ensure`` keeps."""
         self.nft_table = NFT_TABLE
         self._rules: Interception | None = None
-        self._script: str | None = None
-        """The nft transaction of the last ``sync`` with rules: what ``ensure`` writes back."""
+        self._nft: NftTable | None = None
+        """The nft table of the last ``sync`` with rules: what ``ensure`` writes back."""
+        self._written: frozenset[tuple[str, str]] | None = None
+        """The objects of the nft table this process last wrote: the next sync changes that
+        table in place (None: none yet, or removed; written anew)."""
         self._known: LocalTable | None = None
         """The local table as this process last saw or left it (None: list it first)."""
         self._seq = next(_seq)
@@ -858,8 +863,8 @@ class LocalVIPs:
         return self._known
 
     def _change(self, target: VIPTarget) -> Steps[tuple[VIPChanges, LocalTable]]:
-        return _change_steps(target.vips, self.proto, True, target.script, self._known,
-                             target.diff, self.family)
+        return _change_steps(target.vips, self.proto, True, target.nft, self._known,
+                             target.diff, self.family, self._written)
 
     def _record(self, target: VIPTarget | None,
                 result: tuple[VIPChanges, LocalTable]) -> VIPChanges:
@@ -867,11 +872,13 @@ class LocalVIPs:
         changes, self._known = result
         if target is not None:
             self.wanted = target.vips
-            self._rules, self._script = target.rules, target.script
+            self._rules, self._nft = target.rules, target.nft
+            if target.nft is not None:
+                self._written = target.nft.names
         return changes
 
     def _ensure(self) -> Steps[tuple[VIPChanges, LocalTable]]:
-        return _ensure_steps(self.wanted, self.proto, self._script, self.nft_table, self._known,
+        return _ensure_steps(self.wanted, self.proto, self._nft, self.nft_table, self._known,
                              self.family)
 
     def ensure(self) -> VIPChanges:
@@ -918,6 +925,7 @@ class LocalVIPs:
                 if self._left_to_others():
                     return False
                 removed = _drive(_remove_steps(self.proto, self.nft_table, self.family))
+                self._written = None
                 restored = self._restore_arp()
         finally:
             self._release()

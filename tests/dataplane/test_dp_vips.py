@@ -14,7 +14,9 @@ import contextlib
 import errno
 import itertools
 import json
+import logging
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -30,6 +32,8 @@ from healthz.registry import REGISTRY
 from proxy.userspace.vips import (
     ARP_SYSCTL_DIR,
     VIP_PROTO,
+    Firewall,
+    Interception,
     LocalVIPs,
     VIPChanges,
     VIPGuard,
@@ -358,6 +362,56 @@ def test_ensure_restores_what_was_deleted_and_never_deletes(ns: str, loop_kind: 
         in_netns(ns, run_on, loop_kind, check, 10.0)
         assert seen == [VIPChanges(added=(B,)), VIPChanges(removed=(C,))]
         assert kpx_routes(ns) == [f"local {A} dev lo scope host", f"local {B} dev lo scope host"]
+
+
+def _guard_table(ns: str) -> tuple[int, set[str], str]:
+    """The guard chain's handle, the table's chains, and the ``served`` set's listing."""
+    listing = sh("ip", "netns", "exec", ns, "nft", "-a", "list", "table", "ip", "kpx_vips").stdout
+    handle = re.search(r"chain guard \{ # handle (\d+)", listing)
+    assert handle, listing
+    served = sh("ip", "netns", "exec", ns, "nft", "list", "set", "ip", "kpx_vips", "served").stdout
+    return int(handle.group(1)), set(re.findall(r"chain (\w+) \{", listing)), served
+
+
+def test_a_change_rewrites_the_guard_in_place_and_a_table_not_kpxs_anew(
+    ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the first write, a sync changes the table in place: the guard's base chain (so
+    its hook) stays, a firewall chain no longer wanted goes; replacing the table would
+    let a SYN slip between the two now and then. A table nft will not change so is
+    written anew, with a warning."""
+    fw = Firewall("ns/lb", ("10.0.0.0/8",), frozenset({(A, "tcp", 80)}))
+    fw2 = Firewall("ns/lb2", ("10.1.0.0/16",), frozenset({(B, "tcp", 80)}))
+    first = Interception(served=frozenset({(A, 80), (B, 80)}), firewalls=(fw, fw2))
+    then = Interception(served=frozenset({(B, 80)}), firewalls=(fw2,))
+    with vips_in(ns) as vips:
+        in_netns(ns, vips.sync, {A, B}, first)
+        handle, chains, served = _guard_table(ns)
+        assert {"fw_0", "fw_1"} <= chains and f"{A} . 80" in served
+
+        in_netns(ns, vips.sync, {A, B}, then)
+        after, chains, served = _guard_table(ns)
+        assert after == handle
+        assert "fw_1" not in chains and f"{A} . 80" not in served and f"{B} . 80" in served
+        fw_0 = sh("ip", "netns", "exec", ns, "nft", "list", "chain", "ip", "kpx_vips",
+                  "fw_0").stdout
+        assert "10.1.0.0/16" in fw_0 and "10.0.0.0/8" not in fw_0
+        # The way back, a firewall chain more: in place too.
+        in_netns(ns, vips.sync, {A, B}, first)
+        assert _guard_table(ns)[:2] == (handle, chains | {"fw_1"})
+
+        # Someone else's table of the same name, with a set of another type.
+        sh("ip", "netns", "exec", ns, "nft", "delete", "table", "ip", "kpx_vips")
+        sh("ip", "netns", "exec", ns, "nft", "add", "table", "ip", "kpx_vips")
+        sh("ip", "netns", "exec", ns, "nft", "add", "set", "ip", "kpx_vips", "vips",
+           "{ type inet_service; }")
+        with caplog.at_level(logging.WARNING, logger="proxy.userspace.vips"):
+            in_netns(ns, vips.sync, {A, B}, then)
+        assert "is not as kpx left it" in caplog.text
+        _, chains, served = _guard_table(ns)
+        assert "guard" in chains and f"{B} . 80" in served
+        assert "ipv4_addr" in sh("ip", "netns", "exec", ns, "nft", "list", "set", "ip",
+                                 "kpx_vips", "vips").stdout
 
 
 def test_everything_stays_in_its_namespace(ns: str) -> None:
