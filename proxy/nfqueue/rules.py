@@ -428,7 +428,8 @@ def nft_script(cfg: QueueConfig, served: Served, mechanism: Mechanism = "xt",
     is unregistered, the kernel drops every packet waiting in any queue of
     the namespace (``nf_queue_nf_hook_drop``). A replacement would drop the
     SYNs queued while it is written, such as those a restart's successor
-    holds until its first table is in.
+    holds until its first table is in; and now and then a SYN to a nat
+    chain replaced whole slips between the two tables (``proxy.util.nfttable``).
     """
     lay = cfg.layout
     f = _nft_family(family)

@@ -833,7 +833,7 @@ class LocalVIPs:
     def sync(self, wanted: Iterable[str], rules: Interception | None = None) -> VIPChanges:
         """Make exactly ``wanted`` (plus anything foreign) the kpx VIPs; blocking (start, tests).
 
-        ``rules``: also write the nft table (``nft_script``); None leaves it
+        ``rules``: also write the nft table (``nft_table``); None leaves it
         alone. ValueError for an entry that is not a VIP of the family (``vip``),
         before anything changes; RuntimeError if the routes or rules could
         not be made so.
