@@ -366,10 +366,12 @@ def nft_table(vips: Iterable[str], rules: Interception, table: str = NFT_TABLE,
               family: int = 4) -> NftTable:
     """The nft table that holds exactly ``rules``, rendered once (``NftTable``): written
     anew the first time, so that a leftover (a crashed kpx, an older set) vanishes in
-    the same transaction, and in place over the last one after that, so that no SYN
-    slips between two tables and the guard's hook stays. The guard looks at SYNs only
-    (``tcp flags & (syn | ack) == syn``): the rest of a connection, and a
-    node process's own packets *from* a VIP (its replies), pass untouched.
+    the same transaction, and in place over the last one after that, so that the
+    guard's base chain and its hook stay (``proxy.util.nfttable`` says why).
+
+    The guard looks at SYNs only (``tcp flags & (syn | ack) == syn``): the
+    rest of a connection, and a node process's own packets *from* a VIP
+    (its replies), pass untouched.
     UDP has no first packet to tell apart, so ``udp_guard`` judges every
     datagram to a VIP: dropped, steered, or rejected with ICMP port
     unreachable (kube-proxy's REJECT for UDP). The drop and reject rules
