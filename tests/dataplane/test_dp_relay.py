@@ -442,9 +442,9 @@ def test_metrics_count_bytes_once_at_close(loop_kind: str, backends) -> None:
     async def scenario() -> None:
         async with serving(snap(*web(np_, be.port, "127.0.0.1"))):
             await asyncio.to_thread(client)
-            await asyncio.sleep(0.05)
-            assert metrics.REGISTRY.get_sample_value(
-                "kubeproxy_kpx_active_connections", {"service_port": key}) == 0
+            await eventually(lambda: metrics.REGISTRY.get_sample_value(
+                "kubeproxy_kpx_active_connections", {"service_port": key}) == 0, 2,
+                what="the active connections gauge to come back to 0")
 
     run_on(loop_kind, scenario)
     assert counter(metrics.BYTES, key, "to_endpoint") - up0 == len(b"SEND 5000\n")
