@@ -12,9 +12,9 @@ It is a test double, not a contender: slow and simple on purpose.
 from outside: no listener, but kpx's nft table ``ip kpx_nfq`` with the set
 ``ports`` (the NodePorts) and ``vips`` (the clusterIPs) that ``bench.control``
 reads, here with plain nft DNAT maps to the first ready endpoint instead of a
-queue. The table is written whole once; each change after that replaces the
-sets' and maps' elements in one transaction, as kpx and kube-proxy do
-(``nfq_update_script``). It is deleted at SIGTERM.
+queue. The table is written whole once and changed in place after that, in
+one transaction each, as kpx and kube-proxy do (``NftTable``). It is deleted
+at SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 
 from bench.naive_proxy import handle as relay
 from proxy.k8s import StateError, parse_state
+from proxy.util.nfttable import NftTable, elements
 
 NFQ_TABLE = "kpx_nfq"
 
@@ -38,49 +39,21 @@ Routes = dict[int, tuple[str, int]]
 VIPs = dict[tuple[str, int], tuple[str, int]]
 
 
-def _contents(routes: Routes, vips: VIPs) -> dict[str, list[str]]:
-    """Each set's and map's elements."""
-    return {"ports": [str(p) for p in sorted(routes)],
-            "vips": sorted({a for a, _ in vips}),
-            "np": [f"{p} : {a} . {ap}" for p, (a, ap) in sorted(routes.items())],
-            "vip": [f"{v} . {vp} : {a} . {ap}" for (v, vp), (a, ap) in sorted(vips.items())]}
-
-
-def nfq_update_script(routes: Routes, vips: VIPs) -> str:
-    """The change after the first write: every set and map emptied and filled again, in one
-    transaction. Replacing the table instead is not atomic for a new connection: now and
-    then a SYN meets the new rule before its set holds anything, and is refused."""
-    out = []
-    for name, items in _contents(routes, vips).items():
-        out.append(f"flush {'map' if name in ('np', 'vip') else 'set'} ip {NFQ_TABLE} {name}\n")
-        if items:
-            out.append(f"add element ip {NFQ_TABLE} {name} {{ {', '.join(items)} }}\n")
-    return "".join(out)
-
-
-def nfq_script(routes: Routes, vips: VIPs) -> str:
-    """kpx_nfq's table, whole: the sets the bench reads and DNAT maps that act on them."""
-
-    def elems(items: list[str]) -> str:
-        return f" elements = {{ {', '.join(items)} }};" if items else ""
-
-    c = {name: elems(items) for name, items in _contents(routes, vips).items()}
-    return (f"table ip {NFQ_TABLE}\ndelete table ip {NFQ_TABLE}\n"
-            f"table ip {NFQ_TABLE} {{\n"
-            f"  set ports {{ type inet_service;{c['ports']} }}\n"
-            f"  set vips {{ type ipv4_addr;{c['vips']} }}\n"
-            f"  map np {{ type inet_service : ipv4_addr . inet_service;{c['np']} }}\n"
-            f"  map vip {{ type ipv4_addr . inet_service : ipv4_addr . inet_service;{c['vip']} }}\n"
-            "  chain pre {\n"
-            "    type nat hook prerouting priority dstnat; policy accept;\n"
-            "    tcp dport @ports fib daddr type local dnat ip to tcp dport map @np\n"
-            "    ip daddr @vips dnat ip to ip daddr . tcp dport map @vip\n"
-            "  }\n"
-            "  chain post {\n"
-            "    type nat hook postrouting priority srcnat; policy accept;\n"
-            "    ct status dnat masquerade\n"
-            "  }\n"
-            "}\n")
+def nfq_table(routes: Routes, vips: VIPs) -> NftTable:
+    """kpx_nfq's table: the sets the bench reads and DNAT maps that act on them."""
+    return NftTable.render("ip", NFQ_TABLE, [
+        ("set", "ports", "type inet_service;", elements(str(p) for p in sorted(routes))),
+        ("set", "vips", "type ipv4_addr;", elements(sorted({a for a, _ in vips}))),
+        ("map", "np", "type inet_service : ipv4_addr . inet_service;",
+         elements(f"{p} : {a} . {ap}" for p, (a, ap) in sorted(routes.items()))),
+        ("map", "vip", "type ipv4_addr . inet_service : ipv4_addr . inet_service;",
+         elements(f"{v} . {vp} : {a} . {ap}" for (v, vp), (a, ap) in sorted(vips.items()))),
+        ("chain", "pre", "type nat hook prerouting priority dstnat; policy accept;",
+         "    tcp dport @ports fib daddr type local dnat ip to tcp dport map @np\n"
+         "    ip daddr @vips dnat ip to ip daddr . tcp dport map @vip\n"),
+        ("chain", "post", "type nat hook postrouting priority srcnat; policy accept;",
+         "    ct status dnat masquerade\n"),
+    ])
 
 
 class Fake:
@@ -134,7 +107,10 @@ class Fake:
         if self.mode == "nfqueue":
             # Not check=True: a SIGTERM to the process group may kill nft mid-write;
             # the fake must still get to its cleanup.
-            script = nfq_update_script(routes, vips) if self.written else nfq_script(routes, vips)
+            # Whole once, then in place: a nat table replaced whole now and then lets a
+            # SYN through undecided (proxy.util.nfttable).
+            table = nfq_table(routes, vips)
+            script = table.in_place(table.names) if self.written else table.anew()
             cp = subprocess.run(["nft", "-f", "-"], input=script, text=True,
                                 capture_output=True, check=False)
             if cp.returncode != 0:
